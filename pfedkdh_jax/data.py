@@ -1,0 +1,558 @@
+"""Data pools, federated partitions and array layout for pFedKDH.
+
+This module implements the data protocol of the specification (``method.md`` section 2):
+
+* :func:`load_pool` reads a dataset into one in-memory *pool*: the official train split followed by the
+  official test split, as ``uint8`` images ``[N, H, W, C]`` and ``int32`` labels.  MNIST, Fashion-MNIST,
+  CIFAR-10 and CIFAR-100 (fine labels) are read with ``tensorflow_datasets.data_source`` from a prepared
+  ArrayRecord data directory, without TensorFlow and without downloading anything.  Decoded arrays are cached
+  as a compressed ``.npz`` file outside the data directory.  ``"digits"`` is a small offline demo pool built
+  from scikit-learn's bundled 8x8 digits, upscaled to 28x28x1.
+* :func:`make_partition` draws the auxiliary server set D_s uniformly at random from the pool, splits the rest
+  over the clients with a class-wise Dirichlet partition (optionally balance-capped as in PFLlib), redraws
+  until every client is large enough, and splits each client's samples into its own train and test sets.
+* :func:`partition_summary` / :func:`format_summary` describe a partition; :func:`padded_index_table` lays
+  ragged per-client index lists out as one rectangular table for device code; :func:`normalize` maps
+  ``uint8`` pixels to ``[-1, 1]``.
+
+Everything here runs on the host with numpy.  Every invalid input and every missing-data situation raises
+:class:`DataError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = [
+    "DATASETS",
+    "DataError",
+    "Pool",
+    "Partition",
+    "resolve_data_dir",
+    "load_pool",
+    "make_partition",
+    "partition_summary",
+    "format_summary",
+    "padded_index_table",
+    "normalize",
+]
+
+#: Dataset names accepted by :func:`load_pool`.  ``"digits"`` is an offline demo, the others are tfds datasets.
+DATASETS: tuple = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100")
+
+# Number of classes of each dataset (CIFAR-100: the 100 fine labels, tfds feature "label").
+_NUM_CLASSES = {"digits": 10, "mnist": 10, "fashion_mnist": 10, "cifar10": 10, "cifar100": 100}
+# Name of the tfds feature holding the label used as the class.
+_LABEL_KEY = "label"
+# Official splits, in pool order.
+_SPLITS = ("train", "test")
+# Number of records decoded per ``__getitems__`` call.
+_DECODE_BLOCK = 5000
+# Bumped whenever the cached array layout changes, so stale cache files are not reused.
+_CACHE_FORMAT = 1
+
+_CACHE_ENV = "PFEDKDH_CACHE_DIR"
+_DATA_DIR_ENV = "TFDS_DATA_DIR"
+
+
+class DataError(ValueError):
+    """Raised for every invalid data option and every missing or unreadable dataset."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    """A whole dataset held in memory.
+
+    Attributes:
+        images: ``uint8`` array ``[N, H, W, C]``: the official train split, then the official test split.
+        labels: ``int32`` array ``[N]`` with values in ``[0, num_classes)``.
+        num_classes: number of classes.
+        name: dataset name, one of :data:`DATASETS`.
+        is_demo: ``True`` only for the offline ``"digits"`` demo pool.
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+    num_classes: int
+    name: str
+    is_demo: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """A federated split of a pool; every array holds indices into the pool.
+
+    Attributes:
+        aux_idx: ``int64 [A]``, sorted: the auxiliary server set D_s.
+        train_idx: one sorted ``int64`` array per client: the client's train split.
+        test_idx: one sorted ``int64`` array per client: the client's own test split.
+        num_clients: number of clients K.
+    """
+
+    aux_idx: np.ndarray
+    train_idx: tuple
+    test_idx: tuple
+    num_clients: int
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading pools
+# --------------------------------------------------------------------------------------------------------------
+
+
+def resolve_data_dir(data_dir: str | None) -> str | None:
+    """Returns the tfds data directory to use.
+
+    Precedence: the explicit ``data_dir`` argument (``--data-dir``), then the environment variable
+    ``$TFDS_DATA_DIR``, then ``None`` (meaning tfds's default directory, ``~/tensorflow_datasets``).
+    A leading ``~`` is expanded; empty strings count as unset.
+    """
+    for candidate in (data_dir, os.environ.get(_DATA_DIR_ENV)):
+        if candidate:
+            return os.path.expanduser(str(candidate))
+    return None
+
+
+def load_pool(name: str, data_dir: str | None = None, cache_dir: str | None = None) -> Pool:
+    """Loads dataset ``name`` as a :class:`Pool` (official train split, then official test split).
+
+    Args:
+        name: one of :data:`DATASETS`.
+        data_dir: tfds data directory holding the prepared dataset; resolved by :func:`resolve_data_dir`
+            and, when still unset, tfds's default directory.  Ignored for ``"digits"``.
+        cache_dir: where decoded arrays are cached; defaults to ``$PFEDKDH_CACHE_DIR``, else
+            ``~/.cache/pfedkdh_jax``.  Must not lie inside the data directory.  Ignored for ``"digits"``.
+
+    Raises:
+        DataError: for an unknown name, or when the dataset is not prepared in ArrayRecord format (the
+            message says how to prepare it).
+    """
+    if name not in DATASETS:
+        raise DataError(f"unknown dataset {name!r}; allowed values: {', '.join(DATASETS)}")
+    if name == "digits":
+        return _load_digits()
+    return _load_tfds_pool(name, data_dir, cache_dir)
+
+
+def _load_digits() -> Pool:
+    """Builds the demo pool from scikit-learn's bundled 8x8 digits (1797 images), upscaled to 28x28x1."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    small = np.clip(np.rint(bunch.images * (255.0 / 16.0)), 0, 255).astype(np.uint8)  # values 0..16 -> 0..255
+    resample = getattr(Image, "Resampling", Image).BILINEAR
+    images = np.stack([np.asarray(Image.fromarray(img, mode="L").resize((28, 28), resample)) for img in small])
+    return Pool(
+        images=images[..., None].astype(np.uint8),
+        labels=np.asarray(bunch.target, dtype=np.int32),
+        num_classes=_NUM_CLASSES["digits"],
+        name="digits",
+        is_demo=True,
+    )
+
+
+def _default_tfds_dir() -> str:
+    """tfds's own default data directory (``~/tensorflow_datasets`` unless tfds is configured otherwise)."""
+    try:
+        from tensorflow_datasets.core import constants
+
+        return os.path.expanduser(str(constants.DATA_DIR))
+    except Exception:  # pragma: no cover - only if tfds changes its layout
+        return os.path.expanduser("~/tensorflow_datasets")
+
+
+def _registered_version(name: str) -> str:
+    """The dataset version tfds builds by default for ``name`` (e.g. ``"3.0.1"`` for MNIST)."""
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as err:  # pragma: no cover - tfds is a project dependency
+        raise DataError(f"reading {name!r} needs the package tensorflow-datasets ({err})") from err
+    return str(tfds.builder_cls(name).VERSION)
+
+
+def _prepare_instructions(name: str, root: str) -> str:
+    """The lines of a :class:`DataError` message that explain how to prepare ``name`` under ``root``."""
+    builder = f"tfds.builder('{name}', data_dir='{os.path.abspath(root)}', file_format='array_record')"
+    return (
+        "Prepare it once (ArrayRecord format, which tfds.data_source reads without TensorFlow):\n"
+        "  (a) online, with TensorFlow installed:\n"
+        f'      python -c "import tensorflow_datasets as tfds; {builder}.download_and_prepare()"\n'
+        "  (b) offline: put the original distribution files (named as in their download URLs) in a directory\n"
+        "      MANUAL_DIR, then, with TensorFlow installed:\n"
+        f'      python -c "import tensorflow_datasets as tfds; {builder}.download_and_prepare('
+        "download_config=tfds.download.DownloadConfig(manual_dir='MANUAL_DIR'))\"\n"
+        "  (c) then pass that data directory with --data-dir DIR or the environment variable TFDS_DATA_DIR."
+    )
+
+
+def _check_prepared(name: str, version: str, root: str) -> dict:
+    """Checks that ``name``/``version`` is prepared in ArrayRecord format under ``root``.
+
+    Returns the number of examples of each official split, read from ``dataset_info.json``.
+    Raises :class:`DataError` with preparation instructions otherwise.
+    """
+    version_dir = os.path.join(root, name, version)
+    info_path = os.path.join(version_dir, "dataset_info.json")
+    if not os.path.isfile(info_path):
+        present = ""
+        name_dir = os.path.join(root, name)
+        if os.path.isdir(name_dir):
+            others = sorted(d for d in os.listdir(name_dir) if os.path.isdir(os.path.join(name_dir, d)))
+            if others:
+                present = f" (found only version(s) {', '.join(others)}; this program reads {version})"
+        raise DataError(
+            f"dataset {name!r} version {version} is not prepared in data dir {root!r}: "
+            f"{info_path} does not exist{present}.\n" + _prepare_instructions(name, root)
+        )
+    try:
+        with open(info_path, encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError) as err:
+        raise DataError(f"cannot read {info_path}: {err}\n" + _prepare_instructions(name, root)) from err
+    file_format = str(info.get("fileFormat", "tfrecord")).lower()  # tfds writes TFRecord when unspecified
+    if file_format != "array_record":
+        raise DataError(
+            f"dataset {name!r} in {version_dir} is prepared in {file_format!r} format, which tfds.data_source "
+            "cannot read; it needs 'array_record'.\n" + _prepare_instructions(name, root)
+        )
+    counts = {}
+    splits = {s.get("name"): s for s in info.get("splits", [])}
+    for split in _SPLITS:
+        if split not in splits:
+            raise DataError(f"dataset {name!r} in {version_dir} has no {split!r} split.\n"
+                            + _prepare_instructions(name, root))
+        prefix = f"{name}-{split}.array_record-"
+        if not any(f.startswith(prefix) for f in os.listdir(version_dir)):
+            raise DataError(f"dataset {name!r} in {version_dir} lacks the files {prefix}*.\n"
+                            + _prepare_instructions(name, root))
+        counts[split] = int(sum(int(n) for n in splits[split].get("shardLengths", [])))
+    return counts
+
+
+def _cache_path(name: str, version: str, root: str, cache_dir: str | None) -> str:
+    """Cache file for ``name``/``version`` read from data dir ``root``; keyed by a hash of its absolute path."""
+    cache_root = cache_dir or os.environ.get(_CACHE_ENV) or os.path.join("~", ".cache", "pfedkdh_jax")
+    cache_root = os.path.realpath(os.path.expanduser(str(cache_root)))
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([cache_root, real_root]) == real_root:
+        raise DataError(f"cache_dir {cache_root!r} lies inside the data dir {real_root!r}; choose another cache_dir")
+    digest = hashlib.sha256(real_root.encode("utf-8")).hexdigest()[:16]
+    return os.path.join(cache_root, f"{name}-{version}-{digest}-v{_CACHE_FORMAT}.npz")
+
+
+def _read_cache(path: str, expected: int) -> tuple | None:
+    """Returns ``(images, labels)`` from a cache file, or ``None`` if absent, unreadable or inconsistent."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            images, labels = npz["images"], npz["labels"]
+    except Exception as err:  # a truncated or foreign file: decode again
+        warnings.warn(f"ignoring unreadable cache file {path}: {err}")
+        return None
+    if images.dtype != np.uint8 or images.ndim != 4 or labels.shape != (expected,) or len(images) != expected:
+        warnings.warn(f"ignoring inconsistent cache file {path}")
+        return None
+    return images, labels.astype(np.int32, copy=False)
+
+
+def _write_cache(path: str, images: np.ndarray, labels: np.ndarray) -> None:
+    """Writes the cache atomically (temporary file in the same directory, then ``os.replace``).
+
+    A cache that cannot be written only costs decoding time next run, so failures become warnings.
+    """
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path))
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, images=images, labels=labels)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as err:
+        warnings.warn(f"could not write cache file {path}: {err}")
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _decode_split(source: Any, count: int) -> tuple:
+    """Decodes every record of one tfds data source, ``_DECODE_BLOCK`` records per call."""
+    images = labels = None
+    for start in range(0, count, _DECODE_BLOCK):
+        records = source.__getitems__(list(range(start, min(start + _DECODE_BLOCK, count))))
+        if images is None:
+            first = np.asarray(records[0]["image"])
+            images = np.empty((count,) + first.shape, dtype=np.uint8)
+            labels = np.empty((count,), dtype=np.int32)
+        for offset, record in enumerate(records):
+            images[start + offset] = record["image"]
+            labels[start + offset] = record[_LABEL_KEY]
+    if images is None:
+        raise DataError("a split of the dataset is empty")
+    return images, labels
+
+
+def _load_tfds_pool(name: str, data_dir: str | None, cache_dir: str | None) -> Pool:
+    """Loads a prepared tfds dataset through ``tfds.data_source``, using the decoded-array cache."""
+    root = resolve_data_dir(data_dir) or _default_tfds_dir()
+    version = _registered_version(name)
+    counts = _check_prepared(name, version, root)
+    total = sum(counts.values())
+    path = _cache_path(name, version, root, cache_dir)
+
+    cached = _read_cache(path, total)
+    if cached is not None:
+        images, labels = cached
+    else:
+        import tensorflow_datasets as tfds
+
+        try:
+            sources = tfds.data_source(f"{name}:{version}", data_dir=root, download=False)
+        except NotImplementedError as err:  # e.g. a TFRecord dataset that slipped through the checks
+            raise DataError(f"tfds cannot read {name!r} from {root!r}: {err}\n"
+                            + _prepare_instructions(name, root)) from err
+        except Exception as err:
+            raise DataError(f"cannot open {name!r} in {root!r}: {err}\n"
+                            + _prepare_instructions(name, root)) from err
+        parts = [_decode_split(sources[split], len(sources[split])) for split in _SPLITS]
+        images = np.concatenate([p[0] for p in parts])
+        labels = np.concatenate([p[1] for p in parts])
+        _write_cache(path, images, labels)
+
+    num_classes = _NUM_CLASSES[name]
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise DataError(f"labels of {name!r} fall outside [0, {num_classes}); the prepared data is not as expected")
+    return Pool(images=images, labels=labels, num_classes=num_classes, name=name, is_demo=False)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Partitioning
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _validate_partition_args(n: int, num_clients: int, alpha: float, aux_size: int, min_client_samples: int,
+                             train_fraction: float, max_redraws: int) -> None:
+    """Raises :class:`DataError` (one line: option name and allowed range) for an invalid partition option."""
+    if not (np.isfinite(alpha) and alpha > 0):
+        raise DataError(f"alpha must be > 0 (got {alpha})")
+    if num_clients < 2:
+        raise DataError(f"num_clients must be >= 2 (got {num_clients})")
+    if not 0 <= aux_size < n:
+        raise DataError(f"aux_size must be in [0, {n}) for a pool of {n} samples (got {aux_size})")
+    if min_client_samples < 2:
+        raise DataError(f"min_client_samples must be >= 2 (one train and one test sample; got {min_client_samples})")
+    if not 0.0 < train_fraction < 1.0:
+        raise DataError(f"train_fraction must be in (0, 1) (got {train_fraction})")
+    if max_redraws < 1:
+        raise DataError(f"max_redraws must be >= 1 (got {max_redraws})")
+    left = n - aux_size
+    if num_clients * min_client_samples > left:
+        raise DataError(
+            f"num_clients * min_client_samples must be <= {left} (the samples left after aux_size={aux_size}; "
+            f"got {num_clients} * {min_client_samples} = {num_clients * min_client_samples})"
+        )
+
+
+def _class_proportions(rng: np.random.Generator, alpha: float, sizes: np.ndarray, cap: float | None) -> np.ndarray:
+    """Draws p_c ~ Dir(alpha * 1_K); with a cap, clients holding >= cap samples get 0 and the rest renormalise.
+
+    Every client below the cap keeps its share.  If all of those shares happen to be zero (possible in floating
+    point for tiny alpha), the class is shared evenly among the eligible clients instead.  Some client is always
+    below the cap because the samples still to be assigned keep the assigned total below N.
+    """
+    p = rng.dirichlet(np.full(len(sizes), alpha))
+    eligible = sizes < cap if cap is not None else np.ones(len(sizes), dtype=bool)
+    p = np.where(eligible & np.isfinite(p), p, 0.0)
+    if not p.sum() > 0:
+        p = eligible.astype(np.float64)
+    return p / p.sum()
+
+
+def _dirichlet_assignment(rng: np.random.Generator, labels: np.ndarray, pool_idx: np.ndarray, num_clients: int,
+                          alpha: float, balance_cap: bool) -> list:
+    """One class-wise Dirichlet draw: returns, per client, the list of pool-index arrays it receives."""
+    cap = len(pool_idx) / num_clients if balance_cap else None
+    sizes = np.zeros(num_clients, dtype=np.int64)
+    chunks = [[] for _ in range(num_clients)]
+    sub_labels = labels[pool_idx]
+    for c in np.unique(sub_labels):
+        members = pool_idx[sub_labels == c]
+        members = members[rng.permutation(len(members))]
+        p = _class_proportions(rng, alpha, sizes, cap)
+        cuts = np.clip(np.floor(np.cumsum(p)[:-1] * len(members)).astype(np.int64), 0, len(members))
+        for k, part in enumerate(np.split(members, cuts)):
+            chunks[k].append(part)
+            sizes[k] += len(part)
+    return chunks
+
+
+def make_partition(labels, *, num_clients: int, alpha: float, aux_size: int, min_client_samples: int = 10,
+                   balance_cap: bool = False, train_fraction: float = 0.75, seed: int = 0,
+                   max_redraws: int = 1000) -> Partition:
+    """Splits a pool into the auxiliary set D_s and ``num_clients`` label-skewed clients (method.md section 2).
+
+    1. D_s: ``aux_size`` pool indices drawn uniformly at random without replacement.
+    2. The remaining N samples are partitioned class by class: for each class c (in increasing label order) the
+       class's samples are shuffled, ``p_c ~ Dir(alpha * 1_K)`` is drawn and the samples are cut at
+       ``floor(cumsum(p_c) * n_c)``.  With ``balance_cap=True`` (the PFLlib variant) a client already holding
+       ``>= N / K`` samples gets proportion 0 for the class and the other proportions are renormalised.
+       The whole class-wise draw is repeated until every client holds ``>= min_client_samples`` samples;
+       D_s is drawn once and kept.
+    3. Each client's samples are shuffled and split into ``max(1, min(n - 1, floor(n * train_fraction)))``
+       train samples and the rest as test samples, so every client has at least one of each.
+
+    A single ``numpy.random.default_rng(seed)`` drives every step, so equal arguments give equal partitions.
+
+    Args:
+        labels: integer class labels of the pool, shape ``[n]``.
+        num_clients: K >= 2.
+        alpha: Dirichlet concentration > 0 (small: few classes per client; large: near IID).
+        aux_size: size of D_s, in ``[0, n)``.
+        min_client_samples: smallest allowed client size (train + test), >= 2.
+        balance_cap: use the PFLlib balance cap described above.
+        train_fraction: share of each client's samples used for training, in ``(0, 1)``.
+        seed: seed of the partition generator.
+        max_redraws: number of Dirichlet draws tried before giving up.
+
+    Returns:
+        A :class:`Partition` whose index arrays are sorted ``int64`` pool indices.
+
+    Raises:
+        DataError: for an invalid option, or when no draw satisfies ``min_client_samples``.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(
+            f"labels must be a non-empty 1-D integer array (got shape {labels.shape}, dtype {labels.dtype})")
+    if labels.min() < 0:
+        raise DataError("labels must be >= 0")
+    n = len(labels)
+    num_clients, aux_size, min_client_samples, max_redraws = (
+        int(num_clients), int(aux_size), int(min_client_samples), int(max_redraws))
+    alpha, train_fraction = float(alpha), float(train_fraction)
+    _validate_partition_args(n, num_clients, alpha, aux_size, min_client_samples, train_fraction, max_redraws)
+
+    rng = np.random.default_rng(seed)
+    aux_idx = np.sort(rng.choice(n, size=aux_size, replace=False)).astype(np.int64)
+    in_aux = np.zeros(n, dtype=bool)
+    in_aux[aux_idx] = True
+    rest = np.flatnonzero(~in_aux).astype(np.int64)
+
+    clients = None
+    smallest = 0
+    for _ in range(max_redraws):
+        chunks = _dirichlet_assignment(rng, labels, rest, num_clients, alpha, balance_cap)
+        candidate = [np.concatenate(parts) if parts else np.empty(0, np.int64) for parts in chunks]
+        smallest = min(len(c) for c in candidate)
+        if smallest >= min_client_samples:
+            clients = candidate
+            break
+    if clients is None:
+        raise DataError(
+            f"no partition gave every client >= min_client_samples={min_client_samples} samples in "
+            f"max_redraws={max_redraws} draws (smallest client: {smallest}); lower min_client_samples, "
+            "raise alpha or use fewer clients"
+        )
+
+    train_idx, test_idx = [], []
+    for members in clients:
+        shuffled = members[rng.permutation(len(members))]
+        n_train = max(1, min(len(members) - 1, int(np.floor(len(members) * train_fraction))))
+        train_idx.append(np.sort(shuffled[:n_train]))
+        test_idx.append(np.sort(shuffled[n_train:]))
+    return Partition(aux_idx=aux_idx, train_idx=tuple(train_idx), test_idx=tuple(test_idx), num_clients=num_clients)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Summaries and layout
+# --------------------------------------------------------------------------------------------------------------
+
+
+def partition_summary(partition: Partition, labels: np.ndarray, num_classes: int) -> dict:
+    """JSON-serialisable description of a partition.
+
+    Keys: ``num_clients``, ``aux_size``, ``train_sizes``, ``test_sizes``, ``classes_per_client`` (classes present
+    in each client's train and test data together), ``label_histogram`` (per client, the count of each class
+    over train and test), ``min_train``, ``max_train``, ``mean_train``.
+    """
+    labels = np.asarray(labels)
+    train_sizes = [int(len(t)) for t in partition.train_idx]
+    test_sizes = [int(len(t)) for t in partition.test_idx]
+    histogram = []
+    for train, test in zip(partition.train_idx, partition.test_idx):
+        client_labels = labels[np.concatenate([train, test]).astype(np.int64)]
+        histogram.append([int(v) for v in np.bincount(client_labels, minlength=num_classes)[:num_classes]])
+    return {
+        "num_clients": int(partition.num_clients),
+        "aux_size": int(len(partition.aux_idx)),
+        "train_sizes": train_sizes,
+        "test_sizes": test_sizes,
+        "classes_per_client": [int(sum(1 for v in row if v > 0)) for row in histogram],
+        "label_histogram": histogram,
+        "min_train": int(min(train_sizes)),
+        "max_train": int(max(train_sizes)),
+        "mean_train": float(np.mean(train_sizes)),
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """Renders a :func:`partition_summary` as text: a header, one line per client, and a totals line."""
+    lines = [
+        f"{summary['num_clients']} clients, aux set D_s: {summary['aux_size']} samples",
+        f"{'client':>6} {'train':>7} {'test':>6} {'classes':>7}",
+    ]
+    rows = zip(summary["train_sizes"], summary["test_sizes"], summary["classes_per_client"])
+    for k, (train, test, classes) in enumerate(rows):
+        lines.append(f"{k:>6} {train:>7} {test:>6} {classes:>7}")
+    lines.append(
+        f"train sizes: min {summary['min_train']}, max {summary['max_train']}, mean {summary['mean_train']:.1f}; "
+        f"total train {sum(summary['train_sizes'])}, total test {sum(summary['test_sizes'])}"
+    )
+    return "\n".join(lines)
+
+
+def padded_index_table(index_lists: Sequence, pad_to: int | None = None) -> tuple:
+    """Stacks ragged index lists into a rectangular table for device code.
+
+    Args:
+        index_lists: K sequences of non-negative integer indices.
+        pad_to: width M of the table; defaults to the longest list.  Must be >= the longest list.
+
+    Returns:
+        ``(table, sizes)``: ``table`` is ``int32 [K, M]``, row k holding list k followed by zeros;
+        ``sizes`` is ``int32 [K]``, the true length of each list (use it to mask the padding).
+    """
+    rows = [np.asarray(idx, dtype=np.int64).reshape(-1) for idx in index_lists]
+    if not rows:
+        raise DataError("index_lists must hold at least one list")
+    sizes = np.array([len(r) for r in rows], dtype=np.int64)
+    longest = int(sizes.max())
+    width = longest if pad_to is None else int(pad_to)
+    if width < longest:
+        raise DataError(f"pad_to must be >= the longest list ({longest}); got {pad_to}")
+    for r in rows:
+        if r.size and (r.min() < 0 or r.max() > np.iinfo(np.int32).max):
+            raise DataError("indices must lie in [0, 2**31 - 1] to fit int32")
+    table = np.zeros((len(rows), width), dtype=np.int32)
+    for k, r in enumerate(rows):
+        table[k, : len(r)] = r
+    return table, sizes.astype(np.int32)
+
+
+def normalize(images_uint8):
+    """Maps pixels in ``[0, 255]`` to ``float32`` in ``[-1, 1]``: ``(x / 255 - 0.5) / 0.5``.
+
+    Works on numpy arrays and on jax arrays (the result keeps the input's array type).
+    """
+    x = images_uint8 if hasattr(images_uint8, "astype") else np.asarray(images_uint8)
+    return (x.astype(np.float32) / 255.0 - 0.5) / 0.5

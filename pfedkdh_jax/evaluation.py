@@ -1,0 +1,66 @@
+"""Evaluation over all K clients (method.md §4).
+
+* personalized: client k's test split scored with (θ_g, φ_k); macro = mean over clients of the
+  per-client accuracy (the paper's metric), micro = all correct / all test samples;
+* global: every test sample scored with (θ_g, φ_g); macro and micro likewise;
+* head adaptation (pFedKDH-EA): each φ_k first takes ``ea_steps`` head-only SGD steps on client k's
+  train split with θ_g frozen; the adapted heads are used for that evaluation only.
+
+Features are computed once per evaluation for the flat list of all clients' test samples (and train
+samples for EA) in fixed-size chunks, so the convolutions never run on padding of ragged clients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pfedkdh_jax.federated_data import FederatedData, gather_inputs
+from pfedkdh_jax.model import CNN
+
+PyTree = Any
+
+
+def chunked_features(model: CNN, backbone: PyTree, data: FederatedData, flat_idx: jax.Array,
+                     chunk: int) -> jax.Array:
+    """Features ``[len(flat_idx), 512]`` computed ``chunk`` samples at a time with ``lax.map``."""
+    def one(idx):
+        return model.features(backbone, gather_inputs(data, idx)[0])
+    return jax.lax.map(one, flat_idx.reshape(-1, chunk)).reshape(flat_idx.shape[0], -1)
+
+
+def features_of(model: CNN, backbone: PyTree, data: FederatedData, idx: jax.Array) -> jax.Array:
+    """Features of the given pool indices in one call (eval mode)."""
+    return model.features(backbone, gather_inputs(data, idx)[0])
+
+
+def score(model: CNN, feats: jax.Array, labels: jax.Array, owner: jax.Array, heads: PyTree,
+          global_head: PyTree | None, num_clients: int) -> dict:
+    """Accuracies of the samples ``feats`` owned by ``owner`` (``num_clients`` marks padding).
+
+    ``heads`` holds one head per client (``[K, ...]``); sample i is scored with ``heads[owner[i]]``.
+    Returns device scalars plus the per-client personalized accuracy ``[K]``.
+    """
+    k = num_clients
+    valid = owner < k
+    safe_owner = jnp.minimum(owner, k - 1)
+    # Logits of every sample under every client head: [T, K, classes]; cheap next to the backbone.
+    all_logits = jax.vmap(model.logits_from_features, in_axes=(0, None), out_axes=1)(heads, feats)
+    logits = jnp.take_along_axis(all_logits, safe_owner[:, None, None], axis=1)[:, 0]
+    metrics = _accuracies(logits, labels, owner, valid, k, "personalized")
+    if global_head is not None:
+        metrics.update(_accuracies(model.logits_from_features(global_head, feats), labels, owner,
+                                   valid, k, "global"))
+    return metrics
+
+
+def _accuracies(logits, labels, owner, valid, k, prefix):
+    correct = (jnp.argmax(logits, -1) == labels) & valid
+    per_client_correct = jax.ops.segment_sum(correct.astype(jnp.float32), owner, num_segments=k + 1)[:k]
+    per_client_n = jax.ops.segment_sum(valid.astype(jnp.float32), owner, num_segments=k + 1)[:k]
+    per_client = per_client_correct / jnp.maximum(per_client_n, 1.0)
+    return {f"{prefix}_macro_accuracy": jnp.mean(per_client),
+            f"{prefix}_micro_accuracy": jnp.sum(per_client_correct) / jnp.maximum(jnp.sum(per_client_n), 1.0),
+            f"{prefix}_per_client_accuracy": per_client}

@@ -1,0 +1,41 @@
+"""Loss terms of the local objective (method.md §3), each a pure function of arrays.
+
+All per-batch means are *masked* means: padded slots of a partial batch carry ``mask == 0`` and do
+not count, so the last partial batch of an epoch is kept and weighted by its real size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of ``values[mask]``; 0 when the mask is empty (never NaN)."""
+    mask = mask.astype(values.dtype)
+    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-sample softmax cross-entropy with integer labels, shape ``[B]``."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def distillation_kl(student_logits: jax.Array, teacher_logits: jax.Array, temperature: float) -> jax.Array:
+    """Per-sample ``T² · KL(q_teacher^T ‖ q_student^T)`` with ``q^T = softmax(z / T)``, shape ``[B]``.
+
+    The KL is taken *from* the teacher distribution: ``Σ_c q_t,c (log q_t,c − log q_s,c)``. The
+    teacher logits are treated as constants (``stop_gradient``).
+    """
+    t = jnp.asarray(temperature, student_logits.dtype)
+    log_q_t = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits) / t, axis=-1)
+    log_q_s = jax.nn.log_softmax(student_logits / t, axis=-1)
+    return t * t * jnp.sum(jnp.exp(log_q_t) * (log_q_t - log_q_s), axis=-1)
+
+
+def proximal(params, anchor, mu: float) -> jax.Array:
+    """``μ/2 · ‖params − anchor‖²`` summed over all leaves; the anchor is a constant."""
+    sq = jax.tree_util.tree_map(
+        lambda p, a: jnp.sum(jnp.square(p - jax.lax.stop_gradient(a))), params, anchor)
+    return 0.5 * mu * sum(jax.tree_util.tree_leaves(sq))

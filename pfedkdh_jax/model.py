@@ -1,0 +1,77 @@
+"""The CNN of method.md §1, split into a shared backbone and a linear head.
+
+``f(x; θ, φ) = h_φ(b_θ(x))``. Parameters are a dict ``{"backbone": θ, "head": φ}`` so that
+optax's ``partition``/``masked`` and the federated algorithms can address the two parts by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Params = Any
+
+FEATURE_DIM = 512
+
+
+class Backbone(nn.Module):
+    """Conv 5×5·32 → ReLU → MaxPool 2 → Conv 5×5·64 → ReLU → MaxPool 2 → Dropout → Dense 512 → ReLU."""
+
+    dropout_rate: float = 0.0
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        x = nn.Conv(32, (5, 5), padding="VALID", name="conv1")(x)
+        x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+        x = nn.Conv(64, (5, 5), padding="VALID", name="conv2")(x)
+        x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+        x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
+        x = x.reshape(x.shape[:-3] + (-1,))
+        return nn.relu(nn.Dense(FEATURE_DIM, name="fc")(x))
+
+
+class Head(nn.Module):
+    """One dense layer from the 512 features to the class logits."""
+
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, z: jax.Array) -> jax.Array:
+        return nn.Dense(self.num_classes, name="out")(z)
+
+
+class CNN:
+    """Pure functions of the split model; holds only static hyperparameters, never parameters."""
+
+    def __init__(self, num_classes: int, dropout_rate: float = 0.0):
+        self.num_classes = num_classes
+        self.dropout_rate = dropout_rate
+        self.backbone = Backbone(dropout_rate)
+        self.head = Head(num_classes)
+
+    def init(self, key: jax.Array, input_shape: tuple[int, ...]) -> Params:
+        """Return ``{"backbone": θ, "head": φ}`` for inputs of shape ``input_shape`` (H, W, C)."""
+        kb, kh = jax.random.split(key)
+        x = jnp.zeros((1,) + tuple(input_shape), jnp.float32)
+        backbone = self.backbone.init(kb, x)["params"]
+        head = self.head.init(kh, jnp.zeros((1, FEATURE_DIM), jnp.float32))["params"]
+        return {"backbone": backbone, "head": head}
+
+    def features(self, backbone: Params, x: jax.Array, *, rng: jax.Array | None = None) -> jax.Array:
+        """Backbone features ``[B, 512]``; dropout is active iff ``rng`` is given."""
+        train = rng is not None and self.dropout_rate > 0
+        rngs = {"dropout": rng} if train else {}
+        return self.backbone.apply({"params": backbone}, x, train=train, rngs=rngs)
+
+    def logits_from_features(self, head: Params, z: jax.Array) -> jax.Array:
+        return self.head.apply({"params": head}, z)
+
+    def logits(self, params: Params, x: jax.Array, *, rng: jax.Array | None = None) -> jax.Array:
+        return self.logits_from_features(params["head"], self.features(params["backbone"], x, rng=rng))
+
+
+def param_count(tree: Params) -> int:
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(tree))

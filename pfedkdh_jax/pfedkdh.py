@@ -1,0 +1,200 @@
+"""pFedKDH: personalized federated knowledge distillation with head adaptation.
+
+Souza Neto, da Silva Júnior, Cavalcante, "pFedKDH: Personalized Federated Learning with Global
+Knowledge Distillation and Local Head Adaptation". The specification implemented here is method.md.
+
+The server keeps a global backbone θ_g and a teacher head φ_g; client k keeps a private head φ_k that
+is never uploaded, averaged or overwritten by the server. In a round each selected client starts from
+(θ_g, φ_k) and minimises
+
+    J_k = (1 − λ)·CE(h_φk(b_θk(x)), y) + λ·T²·KL(q_g^T(x) ‖ q_k^T(x)) + μ/2·‖θ_k − θ_g‖²
+
+where the teacher q_g comes from the frozen (θ_g, φ_g) of this round (evaluated without dropout).
+Only θ_k is uploaded; the server averages the backbones weighted by n_k and then refits φ_g on the
+auxiliary set D_s with θ_g frozen (features computed once per round).
+
+Everything here is a pure function of explicit state and keys: an algorithm object only holds static
+hyperparameters. The round loop and the client-parallel layout live in :mod:`pfedkdh_jax.rounds`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct as struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from pfedkdh_jax import losses
+from pfedkdh_jax.engine import LocalState, LocalTrainer
+from pfedkdh_jax.federated_data import FederatedData, gather_inputs
+from pfedkdh_jax.model import CNN
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedKDHConfig:
+    """Hyperparameters of pFedKDH (defaults: method.md Table 1; λ, T, μ, EA from the sweep in
+    experiments/sweep_hparams.py, scored on a validation split of client train data)."""
+
+    lr: float = 0.015               # client SGD learning rate (no momentum)
+    batch_size: int = 64
+    local_epochs: int = 2           # E
+    lam: float = 0.5                # λ, weight of the distillation term
+    temperature: float = 2.0        # T
+    mu: float = 0.001               # μ, proximal weight on the backbone
+    teacher_epochs: int = 3         # epochs of the teacher-head refit over D_s
+    teacher_lr: float | None = None  # None: same as lr
+    teacher_warm_start: bool = True  # refit starts from the current φ_g (False: from φ_g⁰)
+    teacher_refit_at_start: bool = False  # refit φ_g once on D_s before round 0 (backbone untouched)
+    warmup_epochs: int = 0          # E_w: train θ_g and φ_g on D_s before round 0 (0 = off, as the paper)
+    ea_steps: int = 10              # head-only SGD steps of pFedKDH-EA before its evaluation
+    ea_lr: float | None = None      # None: same as lr
+
+
+@struct.dataclass
+class PFedKDHState:
+    """Server state and the clients' persistent heads.
+
+    ``heads`` carries a leading client axis ``[K, ...]``; the server's update never reads it.
+    """
+
+    backbone: PyTree        # θ_g
+    teacher_head: PyTree    # φ_g
+    heads: PyTree           # φ_k for every client, [K, ...]
+    init_head: PyTree       # φ_g⁰ (fresh-start refit option)
+    round: jax.Array        # int32 [], rounds completed
+
+
+def weighted_average(trees: PyTree, weights: jax.Array) -> PyTree:
+    """``Σ_c w_c · tree_c / Σ_c w_c`` over the leading axis ``[C, ...]`` of every leaf."""
+    w = weights.astype(jnp.float32) / jnp.sum(weights.astype(jnp.float32))
+    return jax.tree_util.tree_map(lambda x: jnp.tensordot(w, x, axes=1), trees)
+
+
+def _head_loss(model: CNN):
+    def loss_fn(head, ctx, z, y, mask, rng):
+        del ctx, rng
+        return losses.masked_mean(losses.cross_entropy(model.logits_from_features(head, z), y), mask)
+    return loss_fn
+
+
+def _gather_features(source, idx):
+    feats, labels = source
+    return feats[idx], labels[idx]
+
+
+def head_trainer(model: CNN, *, lr: float, batch_size: int, epochs: int,
+                 max_steps: int | None = None) -> LocalTrainer:
+    """SGD on a linear head over precomputed features (teacher refit, head adaptation)."""
+    return LocalTrainer(loss_fn=_head_loss(model), tx=optax.sgd(lr), gather=_gather_features,
+                        epochs=epochs, batch_size=batch_size, max_steps=max_steps)
+
+
+def fit_head(trainer: LocalTrainer, head: PyTree, feats: jax.Array, labels: jax.Array,
+             key: jax.Array) -> tuple[PyTree, jax.Array]:
+    """Train ``head`` on all of ``(feats, labels)`` (``lax.scan``: no convolution in the loop)."""
+    n = feats.shape[0]
+    state = trainer.init(head, key, jnp.asarray(n), n)
+    state = trainer.run_scan(state, None, jnp.arange(n), (feats, labels), trainer.num_steps(n))
+    return state.params, state.loss_sum / jnp.maximum(state.step, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedKDH:
+    """pFedKDH over a :class:`CNN`. Static; every method is pure and jittable."""
+
+    model: CNN
+    config: PFedKDHConfig = PFedKDHConfig()
+
+    name = "pfedkdh"
+
+    # ----------------------------------------------------------------------------------- set-up
+    def init(self, key: jax.Array, data: FederatedData) -> PFedKDHState:
+        """θ_g⁰, φ_g⁰ from ``key``; every client head and the teacher head start as φ_g⁰."""
+        params = self.model.init(key, data.input_shape)
+        head = params["head"]
+        heads = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (data.num_clients,) + x.shape), head)
+        return PFedKDHState(backbone=params["backbone"], teacher_head=head, heads=heads,
+                            init_head=head, round=jnp.zeros((), jnp.int32))
+
+    @property
+    def trainer(self) -> LocalTrainer:
+        """The clients' local problem: J_k over (θ_k, φ_k), plain SGD."""
+        c = self.config
+        return LocalTrainer(loss_fn=self.local_loss, tx=optax.sgd(c.lr), gather=gather_inputs,
+                            epochs=c.local_epochs, batch_size=c.batch_size)
+
+    def teacher_trainer(self) -> LocalTrainer:
+        c = self.config
+        return head_trainer(self.model, lr=c.teacher_lr or c.lr, batch_size=c.batch_size,
+                            epochs=c.teacher_epochs)
+
+    # ------------------------------------------------------------------------------ client side
+    def context(self, state: PFedKDHState) -> PyTree:
+        """What every selected client receives this round: the frozen global model."""
+        return {"backbone": state.backbone, "teacher_head": state.teacher_head}
+
+    def local_loss(self, params, ctx, x, y, mask, rng) -> jax.Array:
+        """``J_k`` of one batch (masked means over the valid samples)."""
+        c = self.config
+        logits = self.model.logits(params, x, rng=rng)
+        loss = (1.0 - c.lam) * losses.masked_mean(losses.cross_entropy(logits, y), mask)
+        if c.lam > 0:
+            teacher = self.model.logits({"backbone": ctx["backbone"], "head": ctx["teacher_head"]}, x)
+            kd = losses.distillation_kl(logits, teacher, c.temperature)
+            loss = loss + c.lam * losses.masked_mean(kd, mask)
+        if c.mu > 0:
+            loss = loss + losses.proximal(params["backbone"], ctx["backbone"], c.mu)
+        return loss
+
+    def client_start(self, state: PFedKDHState, data: FederatedData, client: jax.Array,
+                     round_key: jax.Array) -> LocalState:
+        """Client ``client`` sets θ_k ← θ_g and takes up its own persistent head φ_k."""
+        head = jax.tree_util.tree_map(lambda h: h[client], state.heads)
+        params = {"backbone": state.backbone, "head": head}
+        key = jax.random.fold_in(round_key, client)
+        return self.trainer.init(params, key, data.train_n[client], data.max_train)
+
+    # ------------------------------------------------------------------------------ server side
+    def server_update(self, state: PFedKDHState, data: FederatedData, selected: jax.Array,
+                      finals: LocalState, round_key: jax.Array) -> tuple[PFedKDHState, dict]:
+        """Keep each selected head with its client; average the uploaded backbones; refit φ_g."""
+        heads = jax.tree_util.tree_map(lambda all_h, new_h: all_h.at[selected].set(new_h),
+                                       state.heads, finals.params["head"])
+        upload = finals.params["backbone"]  # the only thing that leaves a client
+        backbone, teacher_head, teacher_loss = self.aggregate(
+            state, upload, data.train_n[selected], data, jax.random.fold_in(round_key, data.num_clients))
+        metrics = {"train_loss": jnp.mean(finals.loss_sum / jnp.maximum(finals.step, 1)),
+                   "teacher_loss": teacher_loss}
+        return state.replace(backbone=backbone, teacher_head=teacher_head, heads=heads,
+                             round=state.round + 1), metrics
+
+    def aggregate(self, state: PFedKDHState, uploads: PyTree, weights: jax.Array,
+                  data: FederatedData, key: jax.Array):
+        """Server step from the uploads alone: θ_g ← Σ n_k θ_k / Σ n_k, then refit φ_g on D_s."""
+        backbone = weighted_average(uploads, weights)
+        start = state.teacher_head if self.config.teacher_warm_start else state.init_head
+        teacher_head, loss = self.refit_teacher(backbone, start, data, key)
+        return backbone, teacher_head, loss
+
+    def refit_teacher(self, backbone: PyTree, head: PyTree, data: FederatedData, key: jax.Array):
+        """Head-only SGD on D_s over features of the frozen backbone (computed once)."""
+        x, y = gather_inputs(data, data.aux_idx)
+        feats = self.model.features(backbone, x)
+        return fit_head(self.teacher_trainer(), head, feats, y, key)
+
+    def before_training(self, state: PFedKDHState, data: FederatedData, key: jax.Array) -> PFedKDHState:
+        """Optional initial refit of φ_g on D_s (head only); warm-up is run by the round runner."""
+        if not self.config.teacher_refit_at_start:
+            return state
+        head, _ = self.refit_teacher(state.backbone, state.teacher_head, data, key)
+        return state.replace(teacher_head=head)
+
+    # ------------------------------------------------------------------------------- evaluation
+    def eval_models(self, state: PFedKDHState) -> tuple[PyTree, PyTree, PyTree]:
+        """(backbone, personalized heads [K, ...], global head) used for evaluation."""
+        return state.backbone, state.heads, state.teacher_head

@@ -1,0 +1,277 @@
+"""Tests for pfedkdh_jax.data: pools, the federated partition protocol, summaries and array layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pfedkdh_jax import data
+from pfedkdh_jax.data import DataError
+
+NUM_CLASSES = 10
+SHARED_TFDS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tfds"
+
+
+def _labels(n: int = 3000, seed: int = 123) -> np.ndarray:
+    """Synthetic pool labels: n samples, NUM_CLASSES roughly balanced classes."""
+    return np.random.default_rng(seed).integers(0, NUM_CLASSES, size=n).astype(np.int32)
+
+
+def _partition(labels=None, **overrides) -> data.Partition:
+    kwargs = dict(num_clients=20, alpha=0.3, aux_size=500, seed=0)
+    kwargs.update(overrides)
+    return data.make_partition(_labels() if labels is None else labels, **kwargs)
+
+
+def _client_sizes(p: data.Partition) -> np.ndarray:
+    return np.array([len(a) + len(b) for a, b in zip(p.train_idx, p.test_idx)])
+
+
+def _real_data_dir() -> Path | None:
+    """$TFDS_DATA_DIR or the shared folder next to the repository, when it holds prepared MNIST."""
+    for candidate in (os.environ.get("TFDS_DATA_DIR"), SHARED_TFDS):
+        if candidate and (Path(candidate) / "mnist").is_dir():
+            return Path(candidate)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- partition
+
+
+def test_partition_covers_every_non_aux_sample_once():
+    labels = _labels()
+    p = _partition(labels)
+    assert p.num_clients == 20 and len(p.train_idx) == len(p.test_idx) == 20
+    assert p.aux_idx.dtype == np.int64 and len(p.aux_idx) == 500
+    assert len(np.unique(p.aux_idx)) == 500
+    clients = np.concatenate([np.concatenate([a, b]) for a, b in zip(p.train_idx, p.test_idx)])
+    assert len(clients) == len(np.unique(clients)) == len(labels) - 500  # each sample in exactly one split
+    assert not np.intersect1d(clients, p.aux_idx).size  # D_s disjoint from every client
+    assert np.array_equal(np.sort(np.concatenate([clients, p.aux_idx])), np.arange(len(labels)))
+    for train, test in zip(p.train_idx, p.test_idx):
+        assert train.dtype == np.int64 and test.dtype == np.int64
+        assert not np.intersect1d(train, test).size
+
+
+def test_partition_respects_min_client_samples_and_train_fraction():
+    p = _partition(alpha=0.1, min_client_samples=30)
+    sizes = _client_sizes(p)
+    assert sizes.min() >= 30
+    for train, test in zip(p.train_idx, p.test_idx):
+        n = len(train) + len(test)
+        assert len(train) == max(1, min(n - 1, int(np.floor(0.75 * n))))
+        assert len(test) >= 1
+    total_train = sum(len(t) for t in p.train_idx)
+    assert abs(total_train / sizes.sum() - 0.75) < 0.02
+
+
+def test_tiny_clients_still_get_one_train_and_one_test_sample():
+    p = data.make_partition(np.arange(6) % 2, num_clients=2, alpha=100.0, aux_size=0, min_client_samples=2,
+                            train_fraction=0.1, seed=3)
+    for train, test in zip(p.train_idx, p.test_idx):
+        assert len(train) >= 1 and len(test) >= 1
+
+
+def test_partition_is_deterministic_in_seed():
+    a, b, c = _partition(seed=7), _partition(seed=7), _partition(seed=8)
+    assert np.array_equal(a.aux_idx, b.aux_idx)
+    assert all(np.array_equal(x, y) for x, y in zip(a.train_idx, b.train_idx))
+    assert all(np.array_equal(x, y) for x, y in zip(a.test_idx, b.test_idx))
+    assert not np.array_equal(a.aux_idx, c.aux_idx)
+    assert not all(np.array_equal(x, y) for x, y in zip(a.train_idx, c.train_idx))
+
+
+def test_small_alpha_gives_fewer_classes_per_client():
+    labels = _labels()
+
+    def mean_classes(alpha):
+        summary = data.partition_summary(_partition(labels, alpha=alpha), labels, NUM_CLASSES)
+        return np.mean(summary["classes_per_client"])
+
+    skewed, near_iid = mean_classes(0.05), mean_classes(100.0)
+    assert skewed < 5 and near_iid > 9.5 and skewed < near_iid
+
+
+def test_balance_cap_bounds_client_size():
+    """With the cap a client only receives data while below N/K, so it ends below N/K + the largest class."""
+    labels = _labels()
+    aux = 500
+    cap = (len(labels) - aux) / 20
+    largest_class = np.bincount(labels).max()
+    max_capped, max_free = [], []
+    for seed in range(4):
+        capped = _client_sizes(_partition(labels, alpha=0.1, balance_cap=True, seed=seed))
+        free = _client_sizes(_partition(labels, alpha=0.1, balance_cap=False, seed=seed))
+        assert capped.max() < cap + largest_class
+        assert capped.sum() == free.sum() == len(labels) - aux
+        max_capped.append(capped.max())
+        max_free.append(free.max())
+    assert np.mean(max_capped) < np.mean(max_free)
+
+
+def test_unreachable_min_client_samples_raises():
+    with pytest.raises(DataError, match="min_client_samples"):
+        _partition(alpha=0.01, min_client_samples=120, max_redraws=3)
+
+
+@pytest.mark.parametrize(
+    "overrides, option",
+    [
+        (dict(alpha=0.0), "alpha"),
+        (dict(alpha=-1.0), "alpha"),
+        (dict(num_clients=1), "num_clients"),
+        (dict(aux_size=-1), "aux_size"),
+        (dict(aux_size=3000), "aux_size"),
+        (dict(min_client_samples=1), "min_client_samples"),
+        (dict(train_fraction=0.0), "train_fraction"),
+        (dict(train_fraction=1.0), "train_fraction"),
+        (dict(num_clients=50, min_client_samples=60), "num_clients \\* min_client_samples"),
+        (dict(max_redraws=0), "max_redraws"),
+    ],
+)
+def test_invalid_partition_options_raise(overrides, option):
+    with pytest.raises(DataError, match=option):
+        _partition(**overrides)
+
+
+def test_invalid_labels_raise():
+    with pytest.raises(DataError):
+        data.make_partition(np.zeros((3, 3), int), num_clients=2, alpha=1.0, aux_size=0)
+    with pytest.raises(DataError):
+        data.make_partition(np.array([0.5, 1.0]), num_clients=2, alpha=1.0, aux_size=0)
+
+
+def test_summary_is_json_and_consistent():
+    labels = _labels()
+    p = _partition(labels)
+    s = data.partition_summary(p, labels, NUM_CLASSES)
+    assert json.loads(json.dumps(s)) == s
+    assert s["num_clients"] == 20 and s["aux_size"] == 500
+    assert s["train_sizes"] == [len(t) for t in p.train_idx]
+    assert s["test_sizes"] == [len(t) for t in p.test_idx]
+    hist = np.array(s["label_histogram"])
+    assert hist.shape == (20, NUM_CLASSES)
+    assert np.array_equal(hist.sum(1), _client_sizes(p))
+    assert s["classes_per_client"] == [int((row > 0).sum()) for row in hist]
+    assert s["min_train"] == min(s["train_sizes"]) and s["max_train"] == max(s["train_sizes"])
+    assert s["mean_train"] == pytest.approx(np.mean(s["train_sizes"]))
+    text = data.format_summary(s)
+    assert len(text.splitlines()) >= 20 and "train" in text
+
+
+# ------------------------------------------------------------------------------------------------------- layout
+
+
+def test_padded_index_table():
+    table, sizes = data.padded_index_table([[3, 1], [], [7, 8, 9]])
+    assert table.dtype == np.int32 and sizes.dtype == np.int32
+    assert table.tolist() == [[3, 1, 0], [0, 0, 0], [7, 8, 9]]
+    assert sizes.tolist() == [2, 0, 3]
+    wide, _ = data.padded_index_table([np.array([5])], pad_to=4)
+    assert wide.tolist() == [[5, 0, 0, 0]]
+    with pytest.raises(DataError, match="pad_to"):
+        data.padded_index_table([[1, 2, 3]], pad_to=2)
+
+
+def test_normalize_range_and_dtype():
+    x = np.array([0, 127, 255], dtype=np.uint8)
+    y = data.normalize(x)
+    assert y.dtype == np.float32
+    assert y[0] == -1.0 and y[2] == 1.0 and abs(y[1]) < 0.01
+    full = data.normalize(np.arange(256, dtype=np.uint8))
+    assert full.min() >= -1.0 and full.max() <= 1.0
+
+
+# -------------------------------------------------------------------------------------------------------- pools
+
+
+def test_digits_pool():
+    pool = data.load_pool("digits")
+    assert pool.images.shape == (1797, 28, 28, 1) and pool.images.dtype == np.uint8
+    assert pool.labels.shape == (1797,) and pool.labels.dtype == np.int32
+    assert set(np.unique(pool.labels).tolist()) == set(range(10))
+    assert pool.num_classes == 10 and pool.is_demo and pool.name == "digits"
+    assert pool.images.max() > 200  # scaled from 0..16 to the full 0..255 range
+
+
+def test_unknown_dataset_names_allowed_values():
+    with pytest.raises(DataError, match="mnist.*cifar100"):
+        data.load_pool("svhn")
+
+
+def test_resolve_data_dir(monkeypatch):
+    monkeypatch.setenv("TFDS_DATA_DIR", "dir_from_env")
+    assert data.resolve_data_dir("given") == "given"
+    assert data.resolve_data_dir(None) == "dir_from_env"
+    monkeypatch.delenv("TFDS_DATA_DIR")
+    assert data.resolve_data_dir(None) is None
+
+
+def test_missing_dataset_explains_how_to_prepare(tmp_path):
+    with pytest.raises(DataError, match="download_and_prepare") as err:
+        data.load_pool("cifar10", data_dir=str(tmp_path / "empty"), cache_dir=str(tmp_path / "cache"))
+    message = str(err.value)
+    assert "array_record" in message and "manual_dir" in message
+    assert "--data-dir" in message and "TFDS_DATA_DIR" in message
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.skipif(not SHARED_TFDS.is_dir(), reason="shared tfds folder not available")
+def test_dataset_absent_from_shared_dir():
+    with pytest.raises(DataError, match="download_and_prepare"):
+        data.load_pool("cifar10", data_dir=str(SHARED_TFDS))
+
+
+def _fake_prepared(root: Path, file_format: str) -> None:
+    """A dataset_info.json (and empty shard files) that look like a prepared MNIST in ``file_format``."""
+    version_dir = root / "mnist" / "3.0.1"
+    version_dir.mkdir(parents=True)
+    splits = [{"name": s, "shardLengths": [str(n)]} for s, n in (("train", 60000), ("test", 10000))]
+    (version_dir / "dataset_info.json").write_text(
+        json.dumps({"name": "mnist", "version": "3.0.1", "fileFormat": file_format, "splits": splits}))
+    for split in ("train", "test"):
+        (version_dir / f"mnist-{split}.{file_format}-00000-of-00001").write_bytes(b"")
+
+
+def test_tfrecord_dataset_is_rejected(tmp_path):
+    _fake_prepared(tmp_path / "tfds", "tfrecord")
+    with pytest.raises(DataError, match="tfrecord.*array_record"):
+        data.load_pool("mnist", data_dir=str(tmp_path / "tfds"), cache_dir=str(tmp_path / "cache"))
+
+
+def test_cache_dir_inside_data_dir_is_rejected(tmp_path):
+    _fake_prepared(tmp_path / "tfds", "array_record")
+    with pytest.raises(DataError, match="cache_dir"):
+        data.load_pool("mnist", data_dir=str(tmp_path / "tfds"), cache_dir=str(tmp_path / "tfds" / "cache"))
+
+
+def test_real_mnist_pool_and_cache(tmp_path):
+    root = _real_data_dir()
+    if root is None:
+        pytest.skip("no prepared MNIST in $TFDS_DATA_DIR or ../shared/data/tfds")
+    before = sorted(str(p) for p in (root / "mnist").rglob("*"))
+    cache = tmp_path / "cache"
+
+    start = time.perf_counter()
+    pool = data.load_pool("mnist", data_dir=str(root), cache_dir=str(cache))
+    first = time.perf_counter() - start
+    assert pool.images.shape == (70000, 28, 28, 1) and pool.images.dtype == np.uint8
+    assert pool.labels.shape == (70000,) and pool.labels.dtype == np.int32
+    assert set(np.unique(pool.labels).tolist()) == set(range(10))
+    assert pool.num_classes == 10 and not pool.is_demo
+    cached_files = list(cache.glob("*.npz"))
+    assert len(cached_files) == 1 and not list(cache.glob("*.tmp"))
+
+    start = time.perf_counter()
+    again = data.load_pool("mnist", data_dir=str(root), cache_dir=str(cache))
+    second = time.perf_counter() - start
+    assert second < first
+    assert np.array_equal(again.images, pool.images) and np.array_equal(again.labels, pool.labels)
+    assert sorted(str(p) for p in (root / "mnist").rglob("*")) == before  # nothing written in the data dir
+    shutil.rmtree(cache)
