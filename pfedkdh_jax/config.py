@@ -1,0 +1,146 @@
+"""One frozen configuration object for a run, its presets and its validation.
+
+Every option has a default and a meaning here; the CLI maps its flags onto :class:`RunConfig`
+(``pfedkdh run --help``). :func:`validate` fails with one line naming the option and what is
+allowed, before any data is loaded or anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from pfedkdh_jax.data import DATASETS
+
+METHODS = ("pfedkdh",)
+PRESETS = ("default", "paper", "smoke")
+
+# method.md Table 1: rounds and local epochs per dataset.
+PAPER_SCHEDULE = {"mnist": (50, 2), "fashion_mnist": (50, 2), "cifar10": (50, 3), "cifar100": (70, 5)}
+
+
+class ConfigError(ValueError):
+    """An invalid option; the message is one line naming the option and the allowed values."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    # --- what to run
+    method: str = "pfedkdh"            # federated algorithm
+    dataset: str = "digits"            # digits (offline demo set) | mnist | fashion_mnist | cifar10 | cifar100
+    data_dir: str | None = None        # tfds data dir; else $TFDS_DATA_DIR; else tfds's default
+    cache_dir: str | None = None       # decoded-array cache; else $PFEDKDH_CACHE_DIR; else ~/.cache/pfedkdh_jax
+    out: str | None = None             # run directory; default runs/<dataset>-<method>-a<alpha>-s<seed>-<time>
+    # --- data protocol (method.md §2)
+    alpha: float = 0.1                 # Dirichlet concentration of the label skew
+    num_clients: int = 20              # K
+    aux_size: int = 5000               # |D_s|, drawn from the pool first
+    min_client_samples: int = 10       # partition redrawn until every client holds at least this many
+    balance_cap: bool = False          # PFLlib's capped Dirichlet variant
+    train_fraction: float = 0.75       # per-client train share; the rest is the client's test split
+    validation_fraction: float = 0.0   # >0: score on a split of client *train* data instead (sweeps)
+    data_seed: int = 0                 # partition and D_s
+    # --- federated training (method.md §3, Table 1)
+    rounds: int = 20
+    participation: float = 0.5         # ρ: clients per round = round(ρ·K), uniformly without replacement
+    local_epochs: int = 2              # E
+    batch_size: int = 64
+    lr: float = 0.015                  # client SGD, no momentum
+    seed: int = 0                      # model init, client sampling, batch order and dropout
+    # --- pFedKDH (defaults from experiments/sweep_hparams.py, scored on validation data)
+    lam: float = 0.5                   # λ, distillation weight
+    temperature: float = 2.0           # T
+    mu: float = 0.001                  # μ, proximal weight
+    dropout: float = 0.0               # backbone dropout rate
+    teacher_epochs: int = 3            # teacher-head refit epochs over D_s after each aggregation
+    teacher_warm_start: bool = True    # refit from current φ_g (False: from φ_g⁰)
+    teacher_refit_at_start: bool = False  # refit φ_g on D_s once before round 0
+    warmup_epochs: int = 0             # E_w: train θ_g, φ_g on D_s before round 0 (0 = off, as the paper)
+    ea_steps: int = 10                 # pFedKDH-EA head-only steps (0 = no EA evaluation)
+    # --- evaluation
+    eval_every: int = 1                # Fair evaluation of all clients every N rounds (and the last)
+    ea_every: int = 10                 # EA evaluation every N rounds (and the last)
+    # --- engine (None = the backend's measured default; see BENCHMARKS.md)
+    client_parallel: str | None = None  # vmap | sequential
+    step_loop: str | None = None       # scan | unrolled
+    chunk_steps: int = 8               # local steps per compiled chunk (step_loop = unrolled)
+    eval_chunk: int = 2048             # samples per feature chunk in evaluation
+
+    @property
+    def clients_per_round(self) -> int:
+        return max(1, int(round(self.participation * self.num_clients)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def preset(name: str, dataset: str) -> dict[str, Any]:
+    """Option values of a preset for a dataset (overridden by any explicit option)."""
+    if name not in PRESETS:
+        raise ConfigError(f"--preset must be one of {', '.join(PRESETS)}; got {name!r}")
+    if dataset == "digits":
+        # The embedded demo set (1797 images): fewer clients and a small D_s; about a minute on a CPU.
+        values = dict(num_clients=10, aux_size=300, rounds=20, local_epochs=2, alpha=0.5, ea_every=5)
+    else:
+        rounds, epochs = PAPER_SCHEDULE.get(dataset, (50, 2))
+        values = dict(num_clients=20, participation=0.5, aux_size=5000, rounds=rounds,
+                      local_epochs=epochs, batch_size=64, lr=0.015, teacher_epochs=3, warmup_epochs=0)
+    if name == "smoke":
+        values.update(rounds=2, ea_every=1)
+    return values
+
+
+def make_config(preset_name: str = "default", **overrides) -> RunConfig:
+    """``RunConfig`` from a preset for ``overrides['dataset']`` plus explicit overrides."""
+    dataset = overrides.get("dataset", RunConfig.dataset)
+    values = preset(preset_name, dataset)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = set(values) - {f.name for f in dataclasses.fields(RunConfig)}
+    if unknown:
+        raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
+    cfg = RunConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Raise :class:`ConfigError` for the first invalid option; return ``cfg`` otherwise."""
+    _check(cfg.method in METHODS, f"--method must be one of {', '.join(METHODS)}; got {cfg.method!r}")
+    _check(cfg.dataset in DATASETS, f"--dataset must be one of {', '.join(DATASETS)}; got {cfg.dataset!r}")
+    _check(cfg.alpha > 0, f"--alpha must be > 0; got {cfg.alpha}")
+    _check(cfg.num_clients >= 2, f"--clients must be >= 2; got {cfg.num_clients}")
+    _check(0 < cfg.participation <= 1, f"--participation must be in (0, 1]; got {cfg.participation}")
+    _check(cfg.rounds >= 1, f"--rounds must be >= 1; got {cfg.rounds}")
+    _check(cfg.local_epochs >= 1, f"--local-epochs must be >= 1; got {cfg.local_epochs}")
+    _check(cfg.batch_size >= 1, f"--batch-size must be >= 1; got {cfg.batch_size}")
+    _check(cfg.lr > 0, f"--lr must be > 0; got {cfg.lr}")
+    _check(cfg.aux_size >= 1, f"--aux-size must be >= 1; got {cfg.aux_size}")
+    _check(cfg.min_client_samples >= 2, f"--min-client-samples must be >= 2; got {cfg.min_client_samples}")
+    _check(0 < cfg.train_fraction < 1, f"--train-fraction must be in (0, 1); got {cfg.train_fraction}")
+    _check(0 <= cfg.validation_fraction < 1,
+           f"--validation-fraction must be in [0, 1); got {cfg.validation_fraction}")
+    _check(0 <= cfg.lam <= 1, f"--lam must be in [0, 1]; got {cfg.lam}")
+    _check(cfg.temperature > 0, f"--temperature must be > 0; got {cfg.temperature}")
+    _check(cfg.mu >= 0, f"--mu must be >= 0; got {cfg.mu}")
+    _check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1); got {cfg.dropout}")
+    _check(cfg.teacher_epochs >= 0, f"--teacher-epochs must be >= 0; got {cfg.teacher_epochs}")
+    _check(cfg.warmup_epochs >= 0, f"--warmup-epochs must be >= 0; got {cfg.warmup_epochs}")
+    _check(cfg.ea_steps >= 0, f"--ea-steps must be >= 0; got {cfg.ea_steps}")
+    _check(cfg.eval_every >= 1, f"--eval-every must be >= 1; got {cfg.eval_every}")
+    _check(cfg.ea_every >= 1, f"--ea-every must be >= 1; got {cfg.ea_every}")
+    _check(cfg.client_parallel in (None, "vmap", "sequential"),
+           f"--client-parallel must be vmap or sequential; got {cfg.client_parallel!r}")
+    _check(cfg.step_loop in (None, "scan", "unrolled"),
+           f"--step-loop must be scan or unrolled; got {cfg.step_loop!r}")
+    _check(cfg.chunk_steps >= 1, f"--chunk-steps must be >= 1; got {cfg.chunk_steps}")
+    _check(cfg.eval_chunk >= 1, f"--eval-chunk must be >= 1; got {cfg.eval_chunk}")
+    return cfg

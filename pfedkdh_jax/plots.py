@@ -1,0 +1,29 @@
+"""Accuracy-vs-round figure of a run (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+CURVES = (("personalized_macro_accuracy", "personalized (Fair), macro"),
+          ("personalized_macro_accuracy_ea", "personalized (EA), macro"),
+          ("global_macro_accuracy", "global model, macro"))
+
+
+def plot_curves(history: list[dict], path: str, title: str = "") -> None:
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    for key, label in CURVES:
+        pts = [(r["round"], 100 * r[key]) for r in history if key in r]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o" if len(pts) < 25 else None, ms=3, label=label)
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
