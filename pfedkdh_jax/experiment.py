@@ -126,8 +126,12 @@ def _host(metrics: dict) -> dict[str, Any]:
     return out
 
 
-def run(cfg: RunConfig, *, progress: bool = True, log=print) -> dict[str, Any]:
-    """Run the experiment described by ``cfg``; write and return the summary."""
+def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool = False):
+    """Run the experiment described by ``cfg``; write and return the summary.
+
+    With ``return_state`` the result is ``(summary, state, data, algo, runner)``, for scripts that
+    evaluate the final model further (e.g. the hyperparameter sweep).
+    """
     validate(cfg)
     out_dir = cfg.out or default_out_dir(cfg)
     pool, part, part_summary = prepare_data(cfg)
@@ -195,6 +199,8 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print) -> dict[str, Any]:
     except Exception as e:  # a plot must never lose a finished run
         log(f"warning: curves.png not written: {e}")
     summary["out"] = out_dir
+    if return_state:
+        return summary, state, data, algo, runner
     return summary
 
 

@@ -97,6 +97,8 @@ def head_trainer(model: CNN, *, lr: float, batch_size: int, epochs: int,
 def fit_head(trainer: LocalTrainer, head: PyTree, feats: jax.Array, labels: jax.Array,
              key: jax.Array) -> tuple[PyTree, jax.Array]:
     """Train ``head`` on all of ``(feats, labels)`` (``lax.scan``: no convolution in the loop)."""
+    if trainer.epochs == 0:
+        return head, jnp.zeros((), jnp.float32)
     n = feats.shape[0]
     state = trainer.init(head, key, jnp.asarray(n), n)
     state = trainer.run_scan(state, None, jnp.arange(n), (feats, labels), trainer.num_steps(n))

@@ -1,0 +1,45 @@
+"""Shared fixtures: a tiny synthetic federation (fast to compile and run) and the real data dir."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from pfedkdh_jax.data import Partition, Pool, make_partition
+from pfedkdh_jax.federated_data import build_federated_data
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def tfds_data_dir() -> str | None:
+    """$TFDS_DATA_DIR, else the shared data dir next to the repository, else None."""
+    env = os.environ.get("TFDS_DATA_DIR")
+    if env and Path(env).is_dir():
+        return env
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "tfds"
+    return str(shared) if shared.is_dir() else None
+
+
+def synthetic_pool(n: int = 240, num_classes: int = 4, seed: int = 0) -> Pool:
+    """Class-dependent blobs on 28×28×1 uint8 images: learnable, tiny, deterministic."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, num_classes, n).astype(np.int32)
+    images = rng.integers(0, 60, (n, 28, 28, 1))
+    for c in range(num_classes):
+        r, q = divmod(c, 2)
+        images[labels == c, 4 + 12 * r: 12 + 12 * r, 4 + 12 * q: 12 + 12 * q, 0] += 180
+    return Pool(images=images.astype(np.uint8), labels=labels, num_classes=num_classes,
+                name="synthetic", is_demo=True)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """(pool, partition, FederatedData) with 4 clients of ragged sizes."""
+    pool = synthetic_pool()
+    part: Partition = make_partition(pool.labels, num_clients=4, alpha=1.0, aux_size=40,
+                                     min_client_samples=10, seed=0)
+    return pool, part, build_federated_data(pool, part, eval_chunk=64)

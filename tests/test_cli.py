@@ -1,0 +1,71 @@
+"""The command line: a smoke run on the embedded set, and bad input failing with one clear line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pfedkdh_jax import cli
+from pfedkdh_jax.config import ConfigError, make_config
+
+SUMMARY_KEYS = ["personalized_macro_accuracy", "personalized_micro_accuracy", "global_macro_accuracy",
+                "global_micro_accuracy", "personalized_macro_accuracy_ea", "personalized_micro_accuracy_ea"]
+
+
+def test_smoke_run_writes_the_run_directory(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = cli.main(["run", "--preset", "smoke", "--out", str(out), "--no-progress", "--chunk-steps", "4"])
+    assert rc == 0
+    assert "demo set" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    for key in SUMMARY_KEYS:
+        assert 0.0 <= summary[key] <= 1.0, key
+        assert 0.0 <= summary[f"best_{key}"] <= 1.0
+    assert summary["rounds_completed"] == 2 and summary["status"] == "completed"
+    assert len(summary["per_client_personalized_accuracy"]) == 10
+    assert summary["partition"]["num_clients"] == 10
+    assert summary["seconds_per_round"] > 0 and summary["compile_seconds"] >= 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    assert all("train_loss" in r and "seconds" in r for r in rows)
+    config = json.loads((out / "config.json").read_text())
+    assert config["dataset"] == "digits" and config["rounds"] == 2
+    assert (out / "curves.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--dataset", "imagenet"], "--dataset"),
+    (["--method", "fedfoo"], "--method"),
+    (["--alpha", "0"], "--alpha"),
+    (["--clients", "1"], "--clients"),
+    (["--participation", "1.5"], "--participation"),
+    (["--participation", "0"], "--participation"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--lam", "2"], "--lam"),
+    (["--aux-size", "1797"], "--aux-size"),
+    (["--clients", "200", "--min-client-samples", "10"], "min_client_samples"),
+    (["--dataset", "cifar10", "--data-dir", "."], "download_and_prepare"),
+])
+def test_bad_input_is_one_clear_line(args, option, capsys):
+    rc = cli.main(["run", "--no-progress", "--out", "unused", *args])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pfedkdh: error:") and option in err
+
+
+def test_bad_input_fails_before_importing_jax():
+    code = ("import sys; from pfedkdh_jax import cli; rc = cli.main(['run', '--alpha', '-1']); "
+            "print('jax' in sys.modules); sys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stdout.strip() == "False"
+    assert p.stderr.count("\n") == 1 and "--alpha must be > 0" in p.stderr
+
+
+def test_presets():
+    paper = make_config("paper", dataset="cifar100")
+    assert (paper.rounds, paper.local_epochs, paper.num_clients, paper.clients_per_round) == (70, 5, 20, 10)
+    assert make_config("paper", dataset="mnist", rounds=7).rounds == 7
+    with pytest.raises(ConfigError, match="--preset"):
+        make_config("fast")

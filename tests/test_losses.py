@@ -1,0 +1,90 @@
+"""Loss terms against values computed by hand."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pfedkdh_jax import losses
+from pfedkdh_jax.model import CNN, param_count
+from pfedkdh_jax.pfedkdh import PFedKDH, PFedKDHConfig, weighted_average
+
+
+def test_masked_mean_ignores_padding_and_empty_mask():
+    v = jnp.array([1.0, 2.0, 3.0, 100.0])
+    assert float(losses.masked_mean(v, jnp.array([1, 1, 1, 0]))) == pytest.approx(2.0)
+    assert float(losses.masked_mean(v, jnp.zeros(4))) == 0.0
+
+
+def test_kl_is_teacher_to_student_and_scaled_by_t_squared():
+    student = jnp.array([[jnp.log(3.0), 0.0]])
+    teacher = jnp.array([[0.0, 0.0]])
+    # T = 1: q_t = (1/2, 1/2), q_s = (3/4, 1/4): KL(q_t || q_s) = 1/2 ln(4/3) = 0.143841;
+    # the reverse direction KL(q_s || q_t) = 0.130812 must not be what is computed.
+    assert float(losses.distillation_kl(student, teacher, 1.0)[0]) == pytest.approx(0.5 * np.log(4 / 3), abs=1e-6)
+    # T = 2: logits halved, then T² = 4 times the KL.
+    qs = np.array([np.sqrt(3), 1.0]) / (np.sqrt(3) + 1)
+    expected = 4.0 * np.sum(0.5 * np.log(0.5 / qs))
+    assert float(losses.distillation_kl(student, teacher, 2.0)[0]) == pytest.approx(expected, abs=1e-6)
+
+
+def test_kl_gives_no_gradient_to_the_teacher():
+    g = jax.grad(lambda t: losses.distillation_kl(jnp.array([[1.0, 0.0]]), t, 2.0).sum())(jnp.array([[0.3, 0.1]]))
+    assert np.all(np.asarray(g) == 0)
+
+
+def test_proximal_term():
+    p = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([[3.0]])}
+    a = {"a": jnp.array([0.0, 0.0]), "b": jnp.array([[1.0]])}
+    # mu/2 * (1 + 4 + 4) = 0.05 * 9
+    assert float(losses.proximal(p, a, 0.1)) == pytest.approx(0.45)
+
+
+def test_weighted_average_by_sample_counts():
+    trees = {"w": jnp.array([[1.0, 10.0], [3.0, 30.0]])}
+    out = weighted_average(trees, jnp.array([1, 3]))
+    np.testing.assert_allclose(out["w"], [2.5, 25.0], rtol=1e-6)
+
+
+def test_local_objective_composition():
+    model = CNN(10)
+    algo = PFedKDH(model, PFedKDHConfig(lam=0.3, temperature=3.0, mu=0.2))
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = model.init(k1, (28, 28, 1))
+    glob = model.init(k2, (28, 28, 1))
+    ctx = {"backbone": glob["backbone"], "teacher_head": glob["head"]}
+    x = jax.random.normal(k3, (5, 28, 28, 1))
+    y = jnp.array([0, 1, 2, 3, 4])
+    mask = jnp.array([1, 1, 1, 1, 0])
+    s = np.asarray(model.logits(params, x))[:4]
+    t = np.asarray(model.logits(glob, x))[:4]
+
+    def log_softmax(z):
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+    ce = -np.mean(log_softmax(s)[np.arange(4), np.asarray(y)[:4]])
+    lt, ls = log_softmax(t / 3.0), log_softmax(s / 3.0)
+    kd = np.mean(9.0 * np.sum(np.exp(lt) * (lt - ls), -1))
+    sq = sum(float(np.sum((np.asarray(a) - np.asarray(b)) ** 2)) for a, b in
+             zip(jax.tree_util.tree_leaves(params["backbone"]), jax.tree_util.tree_leaves(glob["backbone"])))
+    expected = 0.7 * ce + 0.3 * kd + 0.1 * sq
+    got = float(algo.local_loss(params, ctx, x, y, mask, None))
+    assert got == pytest.approx(expected, rel=1e-4)
+
+
+def test_model_shapes_and_parameter_count():
+    model = CNN(10, dropout_rate=0.5)
+    params = model.init(jax.random.key(0), (28, 28, 1))
+    assert set(params) == {"backbone", "head"}
+    # conv1 5*5*1*32+32, conv2 5*5*32*64+64, fc 1024*512+512, head 512*10+10
+    assert param_count(params["backbone"]) == 832 + 51264 + 524800
+    assert param_count(params["head"]) == 5130
+    x = jnp.zeros((3, 28, 28, 1))
+    assert model.logits(params, x).shape == (3, 10)
+    assert model.features(params["backbone"], x).shape == (3, 512)
+    cifar = CNN(100).init(jax.random.key(0), (32, 32, 3))
+    assert cifar["backbone"]["fc"]["kernel"].shape == (1600, 512)
+    # dropout only with a key
+    a = model.features(params["backbone"], jnp.ones((2, 28, 28, 1)), rng=jax.random.key(1))
+    b = model.features(params["backbone"], jnp.ones((2, 28, 28, 1)))
+    assert not np.allclose(a, b)
