@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument(flag, dest=field, type=typ, default=None, help=f"{hlp} [{field}]")
     for flag, field, value, hlp in _SWITCHES:
         r.add_argument(flag, dest=field, action="store_const", const=value, default=None, help=hlp)
+    r.add_argument("--method-arg", dest="method_args", action="append", default=None, metavar="KEY=VALUE",
+                   help="a method's own option, repeatable (see pfedkdh_jax/methods.py)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -74,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     values = {k: v for k, v in vars(args).items()
               if k in RunConfig.__dataclass_fields__ and v is not None}
     try:
+        if args.method_args:
+            bad = [a for a in args.method_args if "=" not in a]
+            if bad:
+                raise ConfigError(f"--method-arg must be KEY=VALUE; got {bad[0]!r}")
+            values["method_args"] = tuple(tuple(a.split("=", 1)) for a in args.method_args)
         cfg = make_config(args.preset, **values)
         from pfedkdh_jax.experiment import DivergenceError, run  # jax imported only now
         try:

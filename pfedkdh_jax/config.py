@@ -12,8 +12,7 @@ import json
 from typing import Any
 
 from pfedkdh_jax.data import DATASETS
-
-METHODS = ("pfedkdh",)
+from pfedkdh_jax.methods import METHODS, parse_method_args
 PRESETS = ("default", "paper", "smoke")
 
 # method.md Table 1: rounds and local epochs per dataset.
@@ -27,7 +26,8 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     # --- what to run
-    method: str = "pfedkdh"            # federated algorithm
+    method: str = "pfedkdh"            # federated algorithm (pfedkdh_jax.methods.METHODS)
+    method_args: tuple = ()            # ((key, value-text), ...): the method's own options (--method-arg)
     dataset: str = "digits"            # digits (offline demo set) | mnist | fashion_mnist | cifar10 | cifar100
     data_dir: str | None = None        # tfds data dir; else $TFDS_DATA_DIR; else tfds's default
     cache_dir: str | None = None       # decoded-array cache; else $PFEDKDH_CACHE_DIR; else ~/.cache/pfedkdh_jax
@@ -115,6 +115,10 @@ def _check(ok: bool, msg: str) -> None:
 def validate(cfg: RunConfig) -> RunConfig:
     """Raise :class:`ConfigError` for the first invalid option; return ``cfg`` otherwise."""
     _check(cfg.method in METHODS, f"--method must be one of {', '.join(METHODS)}; got {cfg.method!r}")
+    try:
+        parse_method_args(cfg.method, cfg.method_args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _check(cfg.dataset in DATASETS, f"--dataset must be one of {', '.join(DATASETS)}; got {cfg.dataset!r}")
     _check(cfg.alpha > 0, f"--alpha must be > 0; got {cfg.alpha}")
     _check(cfg.num_clients >= 2, f"--clients must be >= 2; got {cfg.num_clients}")

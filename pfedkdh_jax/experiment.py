@@ -25,7 +25,7 @@ from pfedkdh_jax.engine import EngineConfig, LocalTrainer
 from pfedkdh_jax.federated_data import FederatedData, build_federated_data, gather_inputs
 from pfedkdh_jax.losses import cross_entropy, masked_mean
 from pfedkdh_jax.model import CNN
-from pfedkdh_jax.pfedkdh import PFedKDH, PFedKDHConfig
+from pfedkdh_jax.pfedkdh import PFedKDH
 from pfedkdh_jax.rounds import RoundRunner, sample_schedule
 
 METRIC_KEYS = ("personalized_macro_accuracy", "personalized_micro_accuracy",
@@ -77,14 +77,10 @@ def validation_partition(part: data_lib.Partition, fraction: float, seed: int) -
     return dataclasses.replace(part, train_idx=tuple(train), test_idx=tuple(val))
 
 
-def make_algorithm(cfg: RunConfig, num_classes: int) -> PFedKDH:
-    model = CNN(num_classes, cfg.dropout)
-    hp = PFedKDHConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, lam=cfg.lam,
-                       temperature=cfg.temperature, mu=cfg.mu, teacher_epochs=cfg.teacher_epochs,
-                       teacher_warm_start=cfg.teacher_warm_start,
-                       teacher_refit_at_start=cfg.teacher_refit_at_start,
-                       warmup_epochs=cfg.warmup_epochs, ea_steps=cfg.ea_steps)
-    return PFedKDH(model, hp)
+def make_algorithm(cfg: RunConfig, num_classes: int):
+    """The algorithm of ``cfg.method`` (see :mod:`pfedkdh_jax.methods`)."""
+    from pfedkdh_jax import methods
+    return methods.build(cfg, num_classes)
 
 
 def warmup(algo: PFedKDH, state, data: FederatedData, key: jax.Array, engine: EngineConfig):

@@ -200,3 +200,14 @@ class PFedKDH:
     def eval_models(self, state: PFedKDHState) -> tuple[PyTree, PyTree, PyTree]:
         """(backbone, personalized heads [K, ...], global head) used for evaluation."""
         return state.backbone, state.heads, state.teacher_head
+
+
+def from_config(cfg, num_classes: int, args: dict) -> PFedKDH:
+    """pFedKDH from a :class:`~pfedkdh_jax.config.RunConfig` (its hyperparameters are run options)."""
+    del args
+    model = CNN(num_classes, cfg.dropout)
+    return PFedKDH(model, PFedKDHConfig(
+        lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, lam=cfg.lam,
+        temperature=cfg.temperature, mu=cfg.mu, teacher_epochs=cfg.teacher_epochs,
+        teacher_warm_start=cfg.teacher_warm_start, teacher_refit_at_start=cfg.teacher_refit_at_start,
+        warmup_epochs=cfg.warmup_epochs, ea_steps=cfg.ea_steps))

@@ -1,0 +1,54 @@
+"""Registry of federated methods selectable with ``--method`` (kept free of JAX imports).
+
+Each entry names the module holding the method and its factory
+``from_config(cfg: RunConfig, num_classes: int, args: dict) -> algorithm``, plus the method's own
+hyperparameters settable with ``--method-arg key=value``: their types and defaults (documented in the
+method's module docstring, from its paper).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    module: str                                   # e.g. "pfedkdh_jax.pfedkdh"
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> default (its type is the type)
+    summary: str = ""
+
+
+METHODS: dict[str, MethodSpec] = {
+    "pfedkdh": MethodSpec("pfedkdh_jax.pfedkdh", {}, "pFedKDH (λ, T, μ, EA steps have their own flags)"),
+}
+
+
+def parse_method_args(method: str, pairs) -> dict[str, Any]:
+    """``[(key, text), ...]`` -> typed dict over the method's defaults. Raises ValueError (one line)."""
+    spec = METHODS[method]
+    out = dict(spec.args)
+    for key, text in pairs:
+        if key not in spec.args:
+            allowed = ", ".join(sorted(spec.args)) or "none"
+            raise ValueError(f"--method-arg {key!r} is not an option of {method} (allowed: {allowed})")
+        default = spec.args[key]
+        try:
+            if isinstance(default, bool):
+                if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError
+                value = text.lower() in ("1", "true", "yes")
+            else:
+                value = type(default)(text)
+        except ValueError:
+            raise ValueError(f"--method-arg {key}={text!r}: expected {type(default).__name__}") from None
+        out[key] = value
+    return out
+
+
+def build(cfg, num_classes: int):
+    """The algorithm object for ``cfg.method``."""
+    import importlib
+    spec = METHODS[cfg.method]
+    module = importlib.import_module(spec.module)
+    return module.from_config(cfg, num_classes, parse_method_args(cfg.method, cfg.method_args))
