@@ -43,6 +43,8 @@ _FLAGS = [
     ("--step-loop", "step_loop", str, "scan | unrolled (default: per backend)"),
     ("--chunk-steps", "chunk_steps", int, "local steps per compiled chunk when unrolled"),
     ("--eval-chunk", "eval_chunk", int, "samples per feature chunk in evaluation"),
+    ("--divergence-loss", "divergence_loss", float, "stop when a local loss exceeds this (0: only non-finite)"),
+    ("--checkpoint-every", "checkpoint_every", int, "save the whole state every N rounds and at the end (0: off)"),
 ]
 _SWITCHES = [
     ("--balance-cap", "balance_cap", True, "PFLlib's balance-capped Dirichlet partition"),
@@ -67,30 +69,89 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument(flag, dest=field, action="store_const", const=value, default=None, help=hlp)
     r.add_argument("--method-arg", dest="method_args", action="append", default=None, metavar="KEY=VALUE",
                    help="a method's own option, repeatable (see pfedkdh_jax/methods.py)")
+    r.add_argument("--config", default=None, metavar="FILE",
+                   help="options from a JSON file or a Python file with get_config(smoke=False) "
+                        "(experiments/configs/); the preset < this file < flags")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    res = sub.add_parser("resume", help="continue an interrupted run from its newest good checkpoint")
+    res.add_argument("run_dir")
+    res.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rep = sub.add_parser("report", help="compare finished runs: a table and a figure")
+    rep.add_argument("run_dirs", nargs="+")
+    rep.add_argument("--out", default=None, help="directory for the figures (default: the first run dir)")
     return p
+
+
+def load_config_file(path: str) -> dict:
+    """Options from a JSON file or a Python file defining ``get_config(smoke=False) -> dict``."""
+    import os
+    if not os.path.exists(path):
+        raise ConfigError(f"--config file {path!r} does not exist")
+    if path.endswith(".json"):
+        try:
+            with open(path) as f:
+                values = json.load(f)
+        except ValueError as e:
+            raise ConfigError(f"--config {path}: not valid JSON ({e})") from None
+    elif path.endswith(".py"):
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("_pfedkdh_config", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError(f"--config {path}: defines no get_config()")
+        values = dict(module.get_config())
+    else:
+        raise ConfigError(f"--config must be a .json or .py file; got {path!r}")
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of options")
+    if "method_args" in values:
+        values["method_args"] = tuple(tuple(p) for p in values["method_args"])
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "resume":
+        return _resume(args)
+    if args.command == "report":
+        from pfedkdh_jax.report import main as report_main
+        return report_main(args.run_dirs, args.out)
     values = {k: v for k, v in vars(args).items()
               if k in RunConfig.__dataclass_fields__ and v is not None}
     try:
+        if args.config:
+            values = {**load_config_file(args.config), **values}
         if args.method_args:
             bad = [a for a in args.method_args if "=" not in a]
             if bad:
                 raise ConfigError(f"--method-arg must be KEY=VALUE; got {bad[0]!r}")
             values["method_args"] = tuple(tuple(a.split("=", 1)) for a in args.method_args)
         cfg = make_config(args.preset, **values)
-        from pfedkdh_jax.experiment import DivergenceError, run  # jax imported only now
-        try:
-            summary = run(cfg, progress=not args.no_progress)
-        except DivergenceError as e:
-            print(f"pfedkdh: diverged: {e}", file=sys.stderr)
-            return 3
+        from pfedkdh_jax.experiment import run  # jax imported only now
+        return _guarded(lambda: run(cfg, progress=not args.no_progress))
     except (ConfigError, DataError) as e:
         print(f"pfedkdh: error: {e}", file=sys.stderr)
         return 2
+
+
+def _resume(args) -> int:
+    from pfedkdh_jax.experiment import resume
+    return _guarded(lambda: resume(args.run_dir, progress=not args.no_progress))
+
+
+def _guarded(job) -> int:
+    """Run ``job`` and print its summary; known failures become one line and an exit code."""
+    from pfedkdh_jax.checkpoint import CheckpointError
+    from pfedkdh_jax.experiment import DivergenceError
+    try:
+        summary = job()
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"pfedkdh: error: {e}", file=sys.stderr)
+        return 2
+    except DivergenceError as e:
+        print(f"pfedkdh: diverged: {e}", file=sys.stderr)
+        return 3
     keys = ["personalized_macro_accuracy", "personalized_macro_accuracy_ea", "global_macro_accuracy",
             "best_personalized_macro_accuracy", "seconds_per_round", "compile_seconds"]
     print(json.dumps({k: summary.get(k) for k in keys}, indent=2))

@@ -66,6 +66,9 @@ class RunConfig:
     step_loop: str | None = None       # scan | unrolled
     chunk_steps: int = 8               # local steps per compiled chunk (step_loop = unrolled)
     eval_chunk: int = 2048             # samples per feature chunk in evaluation
+    # --- run management
+    checkpoint_every: int = 5          # save the whole state every N rounds and at the end (0 = off)
+    divergence_loss: float = 1e6       # a local loss above this (or non-finite) stops the run (0 = only non-finite)
 
     @property
     def clients_per_round(self) -> int:
@@ -146,5 +149,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.step_loop in (None, "scan", "unrolled"),
            f"--step-loop must be scan or unrolled; got {cfg.step_loop!r}")
     _check(cfg.chunk_steps >= 1, f"--chunk-steps must be >= 1; got {cfg.chunk_steps}")
+    _check(cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0; got {cfg.checkpoint_every}")
+    _check(cfg.divergence_loss >= 0, f"--divergence-loss must be >= 0; got {cfg.divergence_loss}")
     _check(cfg.eval_chunk >= 1, f"--eval-chunk must be >= 1; got {cfg.eval_chunk}")
     return cfg

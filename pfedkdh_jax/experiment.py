@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pfedkdh_jax import data as data_lib
+from pfedkdh_jax.checkpoint import CheckpointError, Checkpoints, fingerprint
 from pfedkdh_jax.config import RunConfig, validate
 from pfedkdh_jax.engine import EngineConfig, LocalTrainer
 from pfedkdh_jax.federated_data import FederatedData, build_federated_data, gather_inputs
@@ -122,19 +123,26 @@ def _host(metrics: dict) -> dict[str, Any]:
     return out
 
 
-def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool = False):
+def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool = False,
+        resume: bool = False):
     """Run the experiment described by ``cfg``; write and return the summary.
 
-    With ``return_state`` the result is ``(summary, state, data, algo, runner)``, for scripts that
+    With ``resume`` the run continues from the newest good checkpoint in ``cfg.out``. With
+    ``return_state`` the result is ``(summary, state, data, algo, runner)``, for scripts that
     evaluate the final model further (e.g. the hyperparameter sweep).
     """
     validate(cfg)
     out_dir = cfg.out or default_out_dir(cfg)
+    cfg = dataclasses.replace(cfg, out=out_dir)
     pool, part, part_summary = prepare_data(cfg)
     if pool.is_demo:
         log(f"NOTE: '{cfg.dataset}' is scikit-learn's bundled 8x8 digits upscaled to 28x28: a demo set "
             "for a quick offline run, not a dataset of the paper (use --dataset mnist --data-dir DIR).")
     log(data_lib.format_summary(part_summary))
+    ckpts = Checkpoints(out_dir, fingerprint(cfg.to_dict(), part), log=log)
+    if not resume and ckpts.rounds():
+        raise CheckpointError(f"{out_dir} already holds checkpoints of a run; continue it with "
+                              f"`pfedkdh resume {out_dir}` or choose another --out")
     data = build_federated_data(pool, part, eval_chunk=cfg.eval_chunk)
     algo = make_algorithm(cfg, pool.num_classes)
     engine = EngineConfig(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps).resolved()
@@ -142,25 +150,31 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
                          ea_lr=cfg.lr, batch_size=cfg.batch_size)
     keys = streams(cfg.seed)
 
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump({**cfg.to_dict(), "out": out_dir,
-                   "engine": dataclasses.asdict(engine), "backend": jax.default_backend(),
-                   "device_kind": jax.devices()[0].device_kind,
-                   "versions": _versions()}, f, indent=2, sort_keys=True)
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    open(metrics_path, "w").close()
-
     state = algo.init(keys["init"], data)
     if cfg.warmup_epochs > 0:
         state = warmup(algo, state, data, jax.random.fold_in(keys["init"], 1), engine)
     state = algo.before_training(state, data, jax.random.fold_in(keys["init"], 2))
     schedule = sample_schedule(keys["sampling"], cfg.rounds, cfg.num_clients, cfg.clients_per_round)
 
-    history: list[dict] = []
+    start, history = 0, []
+    if resume:
+        restored = ckpts.restore_latest(state)
+        if restored is None:
+            log(f"no usable checkpoint in {out_dir}: starting from round 0")
+        else:
+            start, state, history = restored
+            log(f"resuming {out_dir} after round {start}")
+    os.makedirs(out_dir, exist_ok=True)
+    if not resume or not os.path.exists(os.path.join(out_dir, "config.json")):
+        _write_json(os.path.join(out_dir, "config.json"), {
+            **cfg.to_dict(), "engine": dataclasses.asdict(engine), "environment": environment()})
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    _write_text(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
+
     bar = _progress(cfg.rounds, progress)
+    bar.update(start)
     t_start = time.perf_counter()
-    for t in range(cfg.rounds):
+    for t in range(start, cfg.rounds):
         t0 = time.perf_counter()
         state, train_m = runner.round(state, data, schedule[t], jax.random.fold_in(keys["train"], t))
         jax.block_until_ready(state)
@@ -174,30 +188,63 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
         t2 = time.perf_counter()
         row.update(train_seconds=t1 - t0, eval_seconds=t2 - t1, seconds=t2 - t0,
                    clients=[int(k) for k in schedule[t]])
-        bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
         history.append(row)
         with open(metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if bad:
+        problem = _divergence(row, cfg.divergence_loss)
+        if problem:
             summary = _summary(cfg, history, part_summary, runner, status=f"diverged at round {t + 1}")
-            _write_summary(out_dir, summary)
-            raise DivergenceError(f"non-finite {', '.join(bad)} at round {t + 1} (try a smaller --lr); "
-                                  f"metrics so far are in {out_dir}")
+            _write_json(os.path.join(out_dir, "summary.json"), summary)
+            raise DivergenceError(f"{problem} at round {t + 1} (try a smaller --lr); "
+                                  f"everything up to it is in {out_dir}")
+        if cfg.checkpoint_every and ((t + 1) % cfg.checkpoint_every == 0 or last):
+            ckpts.save(t + 1, state, history)
         bar.update(1)
         bar.set_postfix(_postfix(row))
     bar.close()
     summary = _summary(cfg, history, part_summary, runner, status="completed")
     summary["total_seconds"] = time.perf_counter() - t_start
-    _write_summary(out_dir, summary)
+    _write_json(os.path.join(out_dir, "summary.json"), summary)
     try:
         from pfedkdh_jax.plots import plot_curves
-        plot_curves(history, os.path.join(out_dir, "curves.png"), title=f"{cfg.method} on {cfg.dataset}, α={cfg.alpha:g}")
+        plot_curves(history, os.path.join(out_dir, "curves.png"),
+                    title=f"{cfg.method} on {cfg.dataset}, α={cfg.alpha:g}")
     except Exception as e:  # a plot must never lose a finished run
         log(f"warning: curves.png not written: {e}")
     summary["out"] = out_dir
     if return_state:
         return summary, state, data, algo, runner
     return summary
+
+
+def resume(run_dir: str, *, progress: bool = True, log=print, **overrides) -> dict[str, Any]:
+    """Continue the run in ``run_dir`` with the config stored there."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{run_dir} is not a run directory (no config.json)")
+    with open(path) as f:
+        stored = json.load(f)
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    values = {k: v for k, v in stored.items() if k in fields}
+    values["method_args"] = tuple(tuple(p) for p in values.get("method_args", ()))
+    values.update(overrides, out=run_dir)
+    return run(RunConfig(**values), progress=progress, log=log, resume=True)
+
+
+def _divergence(row: dict, max_loss: float) -> str | None:
+    """What went wrong in a round's row (non-finite or exploding values), naming the clients."""
+    losses = row.get("client_loss")
+    if isinstance(losses, list):
+        bad = [c for c, v in zip(row["clients"], losses) if not math.isfinite(v)]
+        if bad:
+            return f"non-finite local loss of client(s) {', '.join(map(str, bad))}"
+        big = [f"{c} ({v:.3g})" for c, v in zip(row["clients"], losses) if max_loss and v > max_loss]
+        if big:
+            return f"local loss above --divergence-loss {max_loss:g} for client(s) {', '.join(big)}"
+    if row.get("finite_params", 1.0) != 1.0:
+        return "non-finite global parameters"
+    bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+    return f"non-finite {', '.join(bad)}" if bad else None
 
 
 def _postfix(row: dict) -> dict:
@@ -213,11 +260,22 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="rounds", unit="round", disable=not enabled, dynamic_ncols=True)
 
 
-def _versions() -> dict[str, str]:
+def environment() -> dict[str, Any]:
+    """Library versions, backend, devices and the git commit (if any), for reproducibility."""
+    import platform
+    import subprocess
+
     import flax
     import optax
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
     return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
-            "numpy": np.__version__}
+            "numpy": np.__version__, "python": platform.python_version(),
+            "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+            "device_count": jax.device_count(), "git_commit": commit}
 
 
 def _summary(cfg: RunConfig, history: list[dict], part_summary: dict, runner: RoundRunner,
@@ -251,8 +309,13 @@ def _summary(cfg: RunConfig, history: list[dict], part_summary: dict, runner: Ro
     return summary
 
 
-def _write_summary(out_dir: str, summary: dict) -> None:
-    tmp = os.path.join(out_dir, "summary.json.tmp")
+def _write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file + rename)."""
+    tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(summary, f, indent=2)
-    os.replace(tmp, os.path.join(out_dir, "summary.json"))
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    _write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str))

@@ -170,8 +170,11 @@ class PFedKDH:
         upload = finals.params["backbone"]  # the only thing that leaves a client
         backbone, teacher_head, teacher_loss = self.aggregate(
             state, upload, data.train_n[selected], data, jax.random.fold_in(round_key, data.num_clients))
-        metrics = {"train_loss": jnp.mean(finals.loss_sum / jnp.maximum(finals.step, 1)),
-                   "teacher_loss": teacher_loss}
+        client_loss = finals.loss_sum / jnp.maximum(finals.step, 1)
+        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in
+                                    jax.tree_util.tree_leaves((backbone, teacher_head))]))
+        metrics = {"train_loss": jnp.mean(client_loss), "client_loss": client_loss,
+                   "teacher_loss": teacher_loss, "finite_params": finite.astype(jnp.float32)}
         return state.replace(backbone=backbone, teacher_head=teacher_head, heads=heads,
                              round=state.round + 1), metrics
 

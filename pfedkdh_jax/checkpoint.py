@@ -1,0 +1,122 @@
+"""Atomic checkpoints of a run (orbax), with fall-back to the previous good one.
+
+Layout: ``RUN_DIR/checkpoints/round_000012/{state/, meta.json}``. A checkpoint is written under a
+temporary name and renamed into place only once complete, so a process killed mid-save leaves no
+half checkpoint under a real name (leftover temporaries are removed on the next save). ``meta.json``
+holds the round, the run's fingerprint (config and partition hashes) and the metrics rows so far;
+the state pytree (server state, every client's persistent state, optimizer states) goes through
+orbax. The random keys of a run are derived from its seeds and the round number, so the round
+counter restores them exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+PREFIX = "round_"
+# Settings that may differ between the run that wrote a checkpoint and the one resuming it.
+_NOT_FINGERPRINTED = ("out", "data_dir", "cache_dir", "rounds", "eval_chunk")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used for this run; the message says why."""
+
+
+def fingerprint(config: dict, partition) -> dict[str, str]:
+    """Hashes of what a checkpoint depends on: the config (less paths/length) and the partition."""
+    cfg = {k: v for k, v in sorted(config.items()) if k not in _NOT_FINGERPRINTED}
+    h = hashlib.sha256()
+    for arr in (partition.aux_idx, *partition.train_idx, *partition.test_idx):
+        h.update(np.asarray(arr, np.int64).tobytes())
+        h.update(b"|")
+    return {"config": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16],
+            "partition": h.hexdigest()[:16], "dataset": str(config.get("dataset")),
+            "method": str(config.get("method"))}
+
+
+class Checkpoints:
+    """Save and restore the checkpoints of one run directory."""
+
+    def __init__(self, run_dir: str, fp: dict[str, str], keep: int = 2, log=print):
+        self.dir = os.path.join(run_dir, "checkpoints")
+        self.fp = fp
+        self.keep = keep
+        self.log = log
+
+    def rounds(self) -> list[int]:
+        if not os.path.isdir(self.dir):
+            return []
+        out = []
+        for name in os.listdir(self.dir):
+            if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
+                out.append(int(name[len(PREFIX):]))
+        return sorted(out)
+
+    def save(self, round_: int, state: Any, history: list[dict]) -> str:
+        import orbax.checkpoint as ocp
+        os.makedirs(self.dir, exist_ok=True)
+        for name in os.listdir(self.dir):  # debris of a save that was killed
+            if name.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+        final = os.path.join(self.dir, f"{PREFIX}{round_:06d}")
+        tmp = os.path.join(self.dir, f".tmp-{PREFIX}{round_:06d}")
+        os.makedirs(tmp)
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(os.path.abspath(os.path.join(tmp, "state")), jax.device_get(state))
+        ckptr.wait_until_finished()
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({"round": round_, "fingerprint": self.fp, "history": history}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        pause = float(os.environ.get("PFEDKDH_TEST_SAVE_PAUSE", "0"))  # lets tests kill mid-save
+        if pause:
+            time.sleep(pause)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        for old in self.rounds()[:-self.keep]:
+            shutil.rmtree(os.path.join(self.dir, f"{PREFIX}{old:06d}"), ignore_errors=True)
+        return final
+
+    def check_fingerprint(self, meta: dict, where: str) -> None:
+        theirs = meta.get("fingerprint", {})
+        diff = [k for k in ("dataset", "method", "partition", "config") if theirs.get(k) != self.fp.get(k)]
+        if diff:
+            raise CheckpointError(
+                f"checkpoint {where} was written with a different {', '.join(diff)} "
+                f"({', '.join(f'{k}: {theirs.get(k)} vs {self.fp.get(k)}' for k in diff)}); "
+                "resume it with its own config (pfedkdh resume RUN_DIR) or use another --out")
+
+    def restore_latest(self, target: Any) -> tuple[int, Any, list[dict]] | None:
+        """The newest readable checkpoint as ``(round, state, history)``; ``None`` if there is none.
+
+        A checkpoint whose files are unreadable is skipped with a message naming it; one written for
+        another config or partition is refused (:class:`CheckpointError`).
+        """
+        import orbax.checkpoint as ocp
+        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+        for r in reversed(self.rounds()):
+            path = os.path.join(self.dir, f"{PREFIX}{r:06d}")
+            try:
+                with open(os.path.join(path, "meta.json")) as f:
+                    meta = json.load(f)
+            except (OSError, ValueError) as e:
+                self.log(f"checkpoint {path} is unreadable ({type(e).__name__}); trying the previous one")
+                continue
+            self.check_fingerprint(meta, path)
+            try:
+                state = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(path, "state")), abstract)
+            except Exception as e:  # orbax raises many types for truncated/corrupt files
+                self.log(f"checkpoint {path} is corrupt ({type(e).__name__}: {str(e)[:120]}); "
+                         "falling back to the previous one")
+                continue
+            return int(meta["round"]), state, list(meta["history"])
+        return None

@@ -1,0 +1,134 @@
+"""``pfedkdh report RUN_DIR ...``: a comparison table and figures from finished (or interrupted) runs.
+
+* a table: method, dataset, α, final and best personalized macro accuracy (mean ± std over
+  repetitions when the run has them), seconds per round;
+* ``comparison.png``: personalized macro accuracy vs round, one line per run, with a ± std band where
+  the rows carry ``*_std`` (the way the paper's convergence figure reads);
+* ``clients.png`` per run: final per-client accuracy and the label histogram of every client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+KEY = "personalized_macro_accuracy"
+
+
+def load_run(run_dir: str) -> dict[str, Any]:
+    """config, summary (may be missing for an interrupted run) and metrics rows of a run directory."""
+    def read(name, default):
+        path = os.path.join(run_dir, name)
+        if not os.path.exists(path):
+            return default
+        with open(path) as f:
+            return json.load(f)
+    if not os.path.exists(os.path.join(run_dir, "config.json")):
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
+    rows = []
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    break  # a line cut by an interruption
+    return {"dir": run_dir, "config": read("config.json", {}), "summary": read("summary.json", {}), "rows": rows}
+
+
+def _pm(summary: dict, key: str) -> str:
+    if key not in summary or summary[key] is None:
+        return "–"
+    std = summary.get(f"{key}_std")
+    return f"{100 * summary[key]:.2f}" + (f" ± {100 * std:.2f}" if std is not None else "")
+
+
+def table(runs: list[dict]) -> str:
+    head = ("| run | method | dataset | α | final macro acc. (%) | best macro acc. (%) | final EA (%) | "
+            "s/round | rounds |")
+    lines = [head, "|" + "---|" * 9]
+    for r in runs:
+        c, s = r["config"], r["summary"]
+        spr = s.get("seconds_per_round")
+        lines.append(f"| {os.path.basename(os.path.normpath(r['dir']))} | {c.get('method')} | {c.get('dataset')} | "
+                     f"{c.get('alpha')} | {_pm(s, KEY)} | {_pm(s, 'best_' + KEY)} | {_pm(s, KEY + '_ea')} | "
+                     f"{'–' if spr is None else f'{spr:.2f}'} | {s.get('rounds_completed', len(r['rows']))} |")
+    return "\n".join(lines)
+
+
+def comparison_figure(runs: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for r in runs:
+        pts = [(row["round"], row[KEY], row.get(f"{KEY}_std", 0.0)) for row in r["rows"] if KEY in row]
+        if not pts:
+            continue
+        xs = [p[0] for p in pts]
+        ys = [100 * p[1] for p in pts]
+        sd = [100 * p[2] for p in pts]
+        label = f"{r['config'].get('method')} ({os.path.basename(os.path.normpath(r['dir']))})"
+        ax.plot(xs, ys, label=label)
+        if any(sd):
+            ax.fill_between(xs, [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)], alpha=0.2)
+    ax.set_xlabel("round")
+    ax.set_ylabel("personalized macro accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def clients_figure(run: dict, path: str) -> bool:
+    s = run["summary"]
+    acc = s.get("per_client_personalized_accuracy")
+    hist = (s.get("partition") or {}).get("label_histogram")
+    if not acc or not hist:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    hist = np.asarray(hist, float)
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 6), dpi=120, sharex=True)
+    a1.bar(range(len(acc)), [100 * a for a in acc])
+    a1.set_ylabel("final accuracy (%)")
+    a1.set_title(f"{run['config'].get('method')} on {run['config'].get('dataset')}, α={run['config'].get('alpha')}")
+    bottom = np.zeros(hist.shape[0])
+    cmap = plt.get_cmap("tab10" if hist.shape[1] <= 10 else "tab20")
+    for c in range(hist.shape[1]):
+        a2.bar(range(hist.shape[0]), hist[:, c], bottom=bottom, color=cmap(c % cmap.N),
+               label=str(c) if hist.shape[1] <= 20 else None)
+        bottom += hist[:, c]
+    a2.set_xlabel("client")
+    a2.set_ylabel("samples per label")
+    if hist.shape[1] <= 20:
+        a2.legend(ncol=10, fontsize=6, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def main(run_dirs: list[str], out: str | None = None) -> int:
+    try:
+        runs = [load_run(d) for d in run_dirs]
+    except FileNotFoundError as e:
+        print(f"pfedkdh: error: {e}", file=sys.stderr)
+        return 2
+    print(table(runs))
+    out = out or run_dirs[0]
+    os.makedirs(out, exist_ok=True)
+    comparison_figure(runs, os.path.join(out, "comparison.png"))
+    written = [os.path.join(out, "comparison.png")]
+    for r in runs:
+        p = os.path.join(r["dir"], "clients.png")
+        if clients_figure(r, p):
+            written.append(p)
+    print("figures: " + ", ".join(written))
+    return 0

@@ -1,0 +1,157 @@
+"""Checkpoint/resume (with real kills), refusals, divergence, config files and reports."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pfedkdh_jax import cli
+from pfedkdh_jax.checkpoint import CheckpointError
+from pfedkdh_jax.config import make_config
+from pfedkdh_jax.experiment import resume, run
+
+ROUNDS = 5
+ARGS = ["--preset", "default", "--rounds", str(ROUNDS), "--clients", "6", "--chunk-steps", "4",
+        "--ea-every", "2", "--checkpoint-every", "1", "--no-progress"]
+ACCURACY_KEYS = ["personalized_macro_accuracy", "personalized_micro_accuracy", "global_macro_accuracy",
+                 "personalized_macro_accuracy_ea", "train_loss", "teacher_loss"]
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def numbers(run_dir):
+    """Every accuracy/loss of every round plus the final summary values (timings excluded)."""
+    per_round = [{k: r[k] for k in ACCURACY_KEYS if k in r} for r in rows(run_dir)]
+    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    return per_round, {k: summary[k] for k in ACCURACY_KEYS if k in summary}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    assert cli.main(["run", *ARGS, "--out", str(out)]) == 0
+    return out
+
+
+def start(out, env_extra=None):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "pfedkdh_jax.cli", "run", *ARGS, "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+def wait_for(pred, proc, timeout=240):
+    t0 = time.time()
+    while not pred():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.time() - t0 < timeout, "timed out waiting for the run"
+        time.sleep(0.05)
+
+
+def n_rows(out):
+    p = Path(out) / "metrics.jsonl"
+    return len(p.read_text().splitlines()) if p.exists() else 0
+
+
+def test_kill_mid_round_then_resume_is_bit_identical(tmp_path, reference):
+    out = tmp_path / "run"
+    proc = start(out)
+    wait_for(lambda: n_rows(out) >= 2, proc)   # round 2 done and checkpointed soon; round 3 under way
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert n_rows(out) < ROUNDS
+    assert resume(str(out), progress=False, log=lambda *_: None)["status"] == "completed"
+    assert numbers(out) == numbers(reference)
+
+
+def test_kill_mid_save_then_resume_is_bit_identical(tmp_path, reference):
+    out = tmp_path / "run"
+    proc = start(out, {"PFEDKDH_TEST_SAVE_PAUSE": "30"})
+    ckpt = out / "checkpoints"
+    # the first save pauses 30 s between writing its files and renaming them into place
+    wait_for(lambda: ckpt.is_dir() and any((p / "meta.json").exists() for p in ckpt.glob(".tmp-*")), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not list(ckpt.glob("round_*"))      # no half checkpoint under a real name
+    messages = []
+    resume(str(out), progress=False, log=messages.append)
+    assert any("no usable checkpoint" in m for m in messages)
+    assert not list(ckpt.glob(".tmp-*"))
+    assert numbers(out) == numbers(reference)
+
+
+def test_corrupt_checkpoint_falls_back_to_previous(tmp_path, reference):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    ckpts = sorted((out / "checkpoints").glob("round_*"))
+    assert [p.name for p in ckpts] == ["round_000004", "round_000005"]
+    for f in (ckpts[-1] / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 3])
+    messages = []
+    resume(str(out), progress=False, log=messages.append)
+    assert any("round_000005" in m and "previous" in m for m in messages)
+    assert any("after round 4" in m for m in messages)
+    assert numbers(out) == numbers(reference)
+
+
+def test_checkpoint_of_another_config_is_refused(tmp_path, reference):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["lam"] = 0.9
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="different config"):
+        resume(str(out), progress=False, log=lambda *_: None)
+    # a fresh run into a directory holding checkpoints is refused too
+    assert cli.main(["run", *ARGS, "--out", str(out)]) == 2
+
+
+def test_divergence_names_round_and_clients_and_keeps_results(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = cli.main(["run", "--preset", "smoke", "--lr", "10", "--out", str(out), "--no-progress"])
+    assert rc == 3
+    err = capsys.readouterr().err
+    assert "round 1" in err and "client(s)" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "diverged at round 1"
+    assert len(rows(out)) == 1
+
+
+def test_same_config_and_seeds_reproduce_the_summary(tmp_path, reference):
+    out = tmp_path / "again"
+    assert cli.main(["run", *ARGS, "--out", str(out)]) == 0
+    assert numbers(out) == numbers(reference)
+    env = json.loads((out / "config.json").read_text())["environment"]
+    assert {"jax", "flax", "optax", "backend", "device_kind", "git_commit"} <= set(env)
+
+
+def test_config_files(tmp_path):
+    js = tmp_path / "c.json"
+    js.write_text(json.dumps({"rounds": 3, "lam": 0.25}))
+    py = tmp_path / "c.py"
+    py.write_text("def get_config(smoke=False):\n    return {'rounds': 4, 'mu': 0.5}\n")
+    assert cli.load_config_file(str(js)) == {"rounds": 3, "lam": 0.25}
+    assert cli.load_config_file(str(py)) == {"rounds": 4, "mu": 0.5}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"alpha": -1}))
+    assert cli.main(["run", "--config", str(bad), "--no-progress"]) == 2
+    cfg = make_config("default", **{**cli.load_config_file(str(js)), "rounds": 9})
+    assert (cfg.rounds, cfg.lam) == (9, 0.25)
+
+
+def test_report_table_and_figures(tmp_path, reference, capsys):
+    assert cli.main(["report", str(reference), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| pfedkdh | digits |" in out
+    assert (tmp_path / "comparison.png").stat().st_size > 1000
+    assert (Path(reference) / "clients.png").stat().st_size > 1000
+    assert cli.main(["report", str(tmp_path / "nothing")]) == 2
