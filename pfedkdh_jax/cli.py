@@ -24,6 +24,8 @@ _FLAGS = [
     ("--batch-size", "batch_size", int, "minibatch size"),
     ("--lr", "lr", float, "client SGD learning rate"),
     ("--seed", "seed", int, "seed of init, client sampling, batch order and dropout"),
+    ("--reps", "reps", int, "Monte Carlo repetitions (seeds --seed + r), reported as mean ± std"),
+    ("--reps-mode", "reps_mode", str, "vmap: repetitions in one program; sequential; auto: per backend"),
     ("--data-seed", "data_seed", int, "seed of the partition and D_s (default 0)"),
     ("--aux-size", "aux_size", int, "|D_s|, the server's auxiliary set"),
     ("--min-client-samples", "min_client_samples", int, "partition redrawn until each client has this many"),

@@ -48,6 +48,8 @@ class RunConfig:
     batch_size: int = 64
     lr: float = 0.015                  # client SGD, no momentum
     seed: int = 0                      # model init, client sampling, batch order and dropout
+    reps: int = 1                      # Monte Carlo repetitions, seeds seed, seed+1, ...
+    reps_mode: str = "auto"            # vmap (one program) | sequential | auto (sequential on CPU)
     # --- pFedKDH (defaults from experiments/sweep_hparams.py, scored on validation data)
     lam: float = 0.5                   # λ, distillation weight
     temperature: float = 2.0           # T
@@ -129,6 +131,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.rounds >= 1, f"--rounds must be >= 1; got {cfg.rounds}")
     _check(cfg.local_epochs >= 1, f"--local-epochs must be >= 1; got {cfg.local_epochs}")
     _check(cfg.batch_size >= 1, f"--batch-size must be >= 1; got {cfg.batch_size}")
+    _check(cfg.reps >= 1, f"--reps must be >= 1; got {cfg.reps}")
+    _check(cfg.reps_mode in ("auto", "vmap", "sequential"),
+           f"--reps-mode must be auto, vmap or sequential; got {cfg.reps_mode!r}")
     _check(cfg.lr > 0, f"--lr must be > 0; got {cfg.lr}")
     _check(cfg.aux_size >= 1, f"--aux-size must be >= 1; got {cfg.aux_size}")
     _check(cfg.min_client_samples >= 2, f"--min-client-samples must be >= 2; got {cfg.min_client_samples}")

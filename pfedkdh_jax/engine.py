@@ -174,6 +174,6 @@ def num_chunks(steps: int, chunk_steps: int) -> int:
     return max(1, math.ceil(steps / chunk_steps))
 
 
-def tree_stack(trees):
-    """Stack a list of equally-shaped pytrees along a new leading axis."""
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
+def tree_stack(trees, axis: int = 0):
+    """Stack a list of equally-shaped pytrees along a new axis (default: leading)."""
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs, axis=axis), *trees)

@@ -22,7 +22,7 @@ import numpy as np
 from pfedkdh_jax import data as data_lib
 from pfedkdh_jax.checkpoint import CheckpointError, Checkpoints, fingerprint
 from pfedkdh_jax.config import RunConfig, validate
-from pfedkdh_jax.engine import EngineConfig, LocalTrainer
+from pfedkdh_jax.engine import EngineConfig, LocalTrainer, tree_stack
 from pfedkdh_jax.federated_data import FederatedData, build_federated_data, gather_inputs
 from pfedkdh_jax.losses import cross_entropy, masked_mean
 from pfedkdh_jax.model import CNN
@@ -115,20 +115,57 @@ def default_out_dir(cfg: RunConfig) -> str:
     return os.path.join("runs", f"{cfg.dataset}-{cfg.method}-a{cfg.alpha:g}-s{cfg.seed}-{stamp}")
 
 
-def _host(metrics: dict) -> dict[str, Any]:
-    out = {}
-    for k, v in jax.device_get(metrics).items():
-        v = np.asarray(v)
-        out[k] = float(v) if v.ndim == 0 else [float(x) for x in v]
-    return out
+@dataclasses.dataclass
+class _Group:
+    """Repetitions computed together: one seed (no repetition axis) or several (vmapped, ``[R, ...]``)."""
+
+    seeds: list[int]
+    runner: RoundRunner
+    schedule: np.ndarray      # [T, C], or [R, T, C] when batched
+    keys: dict                # stream keys, each [R] when batched
+    batched: bool
+
+    def round_key(self, stream: str, t: int) -> jax.Array:
+        if self.batched:
+            return jax.vmap(jax.random.fold_in, in_axes=(0, None))(self.keys[stream], t)
+        return jax.random.fold_in(self.keys[stream], t)
+
+    def selected(self, t: int) -> np.ndarray:
+        return self.schedule[:, t] if self.batched else self.schedule[t]
+
+    def split(self, metrics: dict) -> list[dict]:
+        """Per-repetition host dicts from the group's device metrics."""
+        host = _host_arrays(metrics)
+        if not self.batched:
+            return [_plain(host)]
+        return [_plain({k: v[r] for k, v in host.items()}) for r in range(len(self.seeds))]
+
+
+def _host_arrays(metrics: dict) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
+
+
+def _plain(arrays: dict) -> dict[str, Any]:
+    return {k: float(v) if np.ndim(v) == 0 else [float(x) for x in np.ravel(v)] for k, v in arrays.items()}
+
+
+def _initial_state(algo, data, seed: int, engine: EngineConfig):
+    keys = streams(seed)
+    state = algo.init(keys["init"], data)
+    if getattr(algo.config, "warmup_epochs", 0) > 0:
+        state = warmup(algo, state, data, jax.random.fold_in(keys["init"], 1), engine)
+    return algo.before_training(state, data, jax.random.fold_in(keys["init"], 2))
 
 
 def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool = False,
         resume: bool = False):
     """Run the experiment described by ``cfg``; write and return the summary.
 
-    With ``resume`` the run continues from the newest good checkpoint in ``cfg.out``. With
-    ``return_state`` the result is ``(summary, state, data, algo, runner)``, for scripts that
+    ``cfg.reps`` Monte Carlo repetitions use seeds ``cfg.seed + r`` (init, sampling, batch order; the
+    partition stays fixed by ``cfg.data_seed``); ``cfg.reps_mode`` says whether they run as one
+    vmapped program or one after another — the numbers are the same. With ``resume`` the run continues
+    from the newest good checkpoint in ``cfg.out``. With ``return_state`` the result is
+    ``(summary, state, data, algo, runner)`` (state and runner of the first group), for scripts that
     evaluate the final model further (e.g. the hyperparameter sweep).
     """
     validate(cfg)
@@ -146,28 +183,46 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
     data = build_federated_data(pool, part, eval_chunk=cfg.eval_chunk)
     algo = make_algorithm(cfg, pool.num_classes)
     engine = EngineConfig(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps).resolved()
-    runner = RoundRunner(algo, data, engine, eval_chunk=cfg.eval_chunk, ea_steps=cfg.ea_steps,
-                         ea_lr=cfg.lr, batch_size=cfg.batch_size)
-    keys = streams(cfg.seed)
+    seeds = [cfg.seed + r for r in range(cfg.reps)]
+    batched = cfg.reps > 1 and resolved_reps_mode(cfg) == "vmap"
+    mesh = jax.make_mesh((jax.device_count(),), ("devices",)) if jax.device_count() > 1 else None
+    if mesh is not None:
+        data = jax.device_put(data, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
-    state = algo.init(keys["init"], data)
-    if cfg.warmup_epochs > 0:
-        state = warmup(algo, state, data, jax.random.fold_in(keys["init"], 1), engine)
-    state = algo.before_training(state, data, jax.random.fold_in(keys["init"], 2))
-    schedule = sample_schedule(keys["sampling"], cfg.rounds, cfg.num_clients, cfg.clients_per_round)
+    # One runner for all groups: sequential repetitions reuse the same compiled functions.
+    runner = RoundRunner(algo, data, engine, eval_chunk=cfg.eval_chunk, ea_steps=cfg.ea_steps,
+                         ea_lr=cfg.lr, batch_size=cfg.batch_size, reps=len(seeds) if batched else None,
+                         mesh=mesh)
+    groups, states = [], []
+    for members in ([seeds] if batched else [[s] for s in seeds]):
+        ks = [streams(s) for s in members]
+        sched = [sample_schedule(k["sampling"], cfg.rounds, cfg.num_clients, cfg.clients_per_round) for k in ks]
+        st = [_initial_state(algo, data, s, engine) for s in members]
+        if batched:
+            keys = {name: jnp.stack([k[name] for k in ks]) for name in ks[0]}
+            state = tree_stack(st)
+            if mesh is not None and len(members) % mesh.size == 0:
+                state = jax.device_put(state, jax.sharding.NamedSharding(
+                    mesh, jax.sharding.PartitionSpec("devices")))
+            groups.append(_Group(members, runner, np.stack(sched), keys, True))
+        else:
+            state = st[0]
+            groups.append(_Group(members, runner, sched[0], ks[0], False))
+        states.append(state)
 
     start, history = 0, []
     if resume:
-        restored = ckpts.restore_latest(state)
+        restored = ckpts.restore_latest(states)
         if restored is None:
             log(f"no usable checkpoint in {out_dir}: starting from round 0")
         else:
-            start, state, history = restored
+            start, states, history = restored
             log(f"resuming {out_dir} after round {start}")
     os.makedirs(out_dir, exist_ok=True)
     if not resume or not os.path.exists(os.path.join(out_dir, "config.json")):
         _write_json(os.path.join(out_dir, "config.json"), {
-            **cfg.to_dict(), "engine": dataclasses.asdict(engine), "environment": environment()})
+            **cfg.to_dict(), "engine": dataclasses.asdict(engine), "reps_batched": batched,
+            "environment": environment()})
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     _write_text(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
 
@@ -175,46 +230,79 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
     bar.update(start)
     t_start = time.perf_counter()
     for t in range(start, cfg.rounds):
-        t0 = time.perf_counter()
-        state, train_m = runner.round(state, data, schedule[t], jax.random.fold_in(keys["train"], t))
-        jax.block_until_ready(state)
-        t1 = time.perf_counter()
         last = t == cfg.rounds - 1
-        eval_m = {}
-        if last or (t + 1) % cfg.eval_every == 0:
-            ea = cfg.ea_steps > 0 and (last or (t + 1) % cfg.ea_every == 0)
-            eval_m = runner.evaluate(state, data, jax.random.fold_in(keys["eval"], t), ea=ea)
-        row = {"round": t + 1, **_host({**train_m, **eval_m})}
-        t2 = time.perf_counter()
-        row.update(train_seconds=t1 - t0, eval_seconds=t2 - t1, seconds=t2 - t0,
-                   clients=[int(k) for k in schedule[t]])
+        do_eval = last or (t + 1) % cfg.eval_every == 0
+        do_ea = do_eval and cfg.ea_steps > 0 and (last or (t + 1) % cfg.ea_every == 0)
+        t0 = time.perf_counter()
+        rep_rows, train_s, eval_s = [], 0.0, 0.0
+        for g, group in enumerate(groups):
+            t1 = time.perf_counter()
+            states[g], train_m = group.runner.round(states[g], data, group.selected(t),
+                                                    group.round_key("train", t))
+            jax.block_until_ready(states[g])
+            t2 = time.perf_counter()
+            eval_m = (group.runner.evaluate(states[g], data, group.round_key("eval", t), ea=do_ea)
+                      if do_eval else {})
+            per_rep = group.split({**train_m, **eval_m})
+            t3 = time.perf_counter()
+            train_s, eval_s = train_s + t2 - t1, eval_s + t3 - t2
+            sel = np.asarray(group.selected(t)).reshape(len(group.seeds), -1)
+            for r, (seed, row) in enumerate(zip(group.seeds, per_rep)):
+                rep_rows.append({"round": t + 1, "seed": seed, **row, "clients": [int(k) for k in sel[r]]})
+        row = _combine(rep_rows)
+        row.update(train_seconds=train_s, eval_seconds=eval_s, seconds=time.perf_counter() - t0)
         history.append(row)
         with open(metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        problem = _divergence(row, cfg.divergence_loss)
-        if problem:
-            summary = _summary(cfg, history, part_summary, runner, status=f"diverged at round {t + 1}")
-            _write_json(os.path.join(out_dir, "summary.json"), summary)
-            raise DivergenceError(f"{problem} at round {t + 1} (try a smaller --lr); "
-                                  f"everything up to it is in {out_dir}")
+        for rep in rep_rows:
+            problem = _divergence(rep, cfg.divergence_loss)
+            if problem:
+                summary = _summary(cfg, history, part_summary, groups[0].runner,
+                                   status=f"diverged at round {t + 1}")
+                _write_json(os.path.join(out_dir, "summary.json"), summary)
+                who = f" in repetition {rep['seed'] - cfg.seed} (seed {rep['seed']})" if cfg.reps > 1 else ""
+                raise DivergenceError(f"{problem}{who} at round {t + 1} (try a smaller --lr); "
+                                      f"everything up to it is in {out_dir}")
         if cfg.checkpoint_every and ((t + 1) % cfg.checkpoint_every == 0 or last):
-            ckpts.save(t + 1, state, history)
+            ckpts.save(t + 1, states, history)
         bar.update(1)
         bar.set_postfix(_postfix(row))
     bar.close()
-    summary = _summary(cfg, history, part_summary, runner, status="completed")
+    summary = _summary(cfg, history, part_summary, groups[0].runner, status="completed")
     summary["total_seconds"] = time.perf_counter() - t_start
     _write_json(os.path.join(out_dir, "summary.json"), summary)
     try:
         from pfedkdh_jax.plots import plot_curves
         plot_curves(history, os.path.join(out_dir, "curves.png"),
-                    title=f"{cfg.method} on {cfg.dataset}, α={cfg.alpha:g}")
+                    title=f"{cfg.method} on {cfg.dataset}, α={cfg.alpha:g}"
+                          + (f", {cfg.reps} repetitions (mean ± std)" if cfg.reps > 1 else ""))
     except Exception as e:  # a plot must never lose a finished run
         log(f"warning: curves.png not written: {e}")
     summary["out"] = out_dir
     if return_state:
-        return summary, state, data, algo, runner
+        return summary, states[0], data, algo, groups[0].runner
     return summary
+
+
+def resolved_reps_mode(cfg: RunConfig) -> str:
+    """``vmap`` or ``sequential`` for the repetitions (auto: sequential on CPU, see BENCHMARKS.md)."""
+    if cfg.reps_mode != "auto":
+        return cfg.reps_mode
+    return "sequential" if jax.default_backend() == "cpu" else "vmap"
+
+
+def _combine(rep_rows: list[dict]) -> dict[str, Any]:
+    """One metrics row from the repetitions' rows: the mean under each key, ``<key>_std`` the std."""
+    if len(rep_rows) == 1:
+        return dict(rep_rows[0])
+    row: dict[str, Any] = {"round": rep_rows[0]["round"]}
+    for key, value in rep_rows[0].items():
+        if isinstance(value, float):
+            vals = np.array([r[key] for r in rep_rows], np.float64)
+            row[key] = float(vals.mean())
+            row[f"{key}_std"] = float(vals.std())
+    row["reps"] = rep_rows
+    return row
 
 
 def resume(run_dir: str, *, progress: bool = True, log=print, **overrides) -> dict[str, Any]:
@@ -280,22 +368,21 @@ def environment() -> dict[str, Any]:
 
 def _summary(cfg: RunConfig, history: list[dict], part_summary: dict, runner: RoundRunner,
              status: str) -> dict[str, Any]:
+    """Final and best of every metric; with repetitions, their mean (``<key>_std``: std) and the
+    per-repetition summaries under ``repetitions``."""
     summary: dict[str, Any] = {"method": cfg.method, "dataset": cfg.dataset, "alpha": cfg.alpha,
-                               "seed": cfg.seed, "data_seed": cfg.data_seed, "status": status,
-                               "rounds_completed": len(history)}
-    evaluated = [r for r in history if "personalized_macro_accuracy" in r]
-    for key in METRIC_KEYS + EA_KEYS:
-        rows = [r for r in evaluated if key in r and math.isfinite(r[key])]
-        if rows:
-            summary[key] = rows[-1][key]
-            summary[f"best_{key}"] = max(r[key] for r in rows)
-            summary[f"best_{key}_round"] = max(rows, key=lambda r: r[key])["round"]
-    if evaluated:
-        final = evaluated[-1]
-        summary["per_client_personalized_accuracy"] = final.get("personalized_per_client_accuracy")
-        if "personalized_per_client_accuracy_ea" in final:
-            summary["per_client_personalized_accuracy_ea"] = final["personalized_per_client_accuracy_ea"]
-        summary["final_train_loss"] = history[-1].get("train_loss")
+                               "seed": cfg.seed, "data_seed": cfg.data_seed, "reps": cfg.reps,
+                               "status": status, "rounds_completed": len(history)}
+    if history and "reps" in history[0]:
+        per_rep = [_metric_summary([row["reps"][r] for row in history]) for r in range(len(history[0]["reps"]))]
+        for key in per_rep[0]:
+            vals = [p[key] for p in per_rep if isinstance(p.get(key), float)]
+            if vals and not key.endswith("_round"):
+                summary[key] = float(np.mean(vals))
+                summary[f"{key}_std"] = float(np.std(vals))
+        summary["repetitions"] = [{"seed": cfg.seed + r, **p} for r, p in enumerate(per_rep)]
+    else:
+        summary.update(_metric_summary(history))
     secs = [r["train_seconds"] for r in history]
     later = secs[1:] or secs
     summary["seconds_per_round"] = statistics.median(later) if later else None
@@ -307,6 +394,25 @@ def _summary(cfg: RunConfig, history: list[dict], part_summary: dict, runner: Ro
     summary["traces"] = dict(runner.traces)
     summary["partition"] = part_summary
     return summary
+
+
+def _metric_summary(history: list[dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    evaluated = [r for r in history if "personalized_macro_accuracy" in r]
+    for key in METRIC_KEYS + EA_KEYS:
+        rows = [r for r in evaluated if key in r and math.isfinite(r[key])]
+        if rows:
+            out[key] = rows[-1][key]
+            out[f"best_{key}"] = max(r[key] for r in rows)
+            out[f"best_{key}_round"] = max(rows, key=lambda r: r[key])["round"]
+    if evaluated:
+        final = evaluated[-1]
+        out["per_client_personalized_accuracy"] = final.get("personalized_per_client_accuracy")
+        if "personalized_per_client_accuracy_ea" in final:
+            out["per_client_personalized_accuracy_ea"] = final["personalized_per_client_accuracy_ea"]
+    if history:
+        out["final_train_loss"] = history[-1].get("train_loss")
+    return out
 
 
 def _write_text(path: str, text: str) -> None:

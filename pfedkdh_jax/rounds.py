@@ -12,6 +12,11 @@ An algorithm (pFedKDH or a baseline) supplies pure functions:
 :class:`RoundRunner` compiles each piece once and chains the calls without host synchronisation;
 with ``vmap`` + ``scan`` a whole round is a single compiled call. ``traces`` counts how often each
 piece was traced, so tests can assert that nothing recompiles after the first round.
+
+With ``reps=R`` every piece is additionally ``vmap``-ed over a leading repetition axis ``[R, ...]``
+(states, selected clients ``[R, C]``, keys ``[R]``; the data are shared), so R Monte Carlo
+repetitions run as one program. With a ``mesh``, that axis (or else the client axis of the fused
+round) is sharded over the mesh's devices.
 """
 
 from __future__ import annotations
@@ -39,12 +44,26 @@ def sample_schedule(key: jax.Array, num_rounds: int, num_clients: int, per_round
     return np.asarray(jax.vmap(one)(jnp.arange(num_rounds)), dtype=np.int32)
 
 
+# How each compiled piece maps over the repetition axis (0: batched, None: shared).
+REP_AXES = {
+    "client_start": (0, None, 0, 0), "client_start_vmap": (0, None, 0, 0),
+    "train_scan": (0, 0, 0, None), "train_scan_vmap": (0, 0, 0, None),
+    "train_chunk": (0, 0, 0, None), "train_chunk_vmap": (0, 0, 0, None),
+    "server_update": (0, None, 0, 0, 0), "round": (0, None, 0, 0),
+    "features_chunk": (0, None, None), "features_scan": (0, None, None),
+    "score": (0, None, 0), "ea": (0, None, 0, 0, 0),
+}
+
+
 class RoundRunner:
     """Compiled round and evaluation functions of one algorithm on one data layout."""
 
     def __init__(self, algo, data: FederatedData, engine: EngineConfig = EngineConfig(), *,
-                 eval_chunk: int = 2048, ea_steps: int = 0, ea_lr: float = 0.015, batch_size: int = 64):
+                 eval_chunk: int = 2048, ea_steps: int = 0, ea_lr: float = 0.015, batch_size: int = 64,
+                 reps: int | None = None, mesh: jax.sharding.Mesh | None = None):
         self.algo = algo
+        self.reps = reps
+        self.mesh = mesh
         self.engine = engine.resolved()
         self.trainer = algo.trainer
         self.sizes = np.asarray(data.train_sizes)
@@ -57,6 +76,9 @@ class RoundRunner:
         t = self.trainer
 
         def counted(name, fn):
+            if reps is not None:
+                fn = jax.vmap(fn, in_axes=REP_AXES[name])
+
             def wrapper(*args, **kwargs):
                 self.traces[name] += 1
                 return fn(*args, **kwargs)
@@ -77,10 +99,14 @@ class RoundRunner:
             self._train_one = counted("train_chunk", lambda s, c, r, d: run_one(s, c, r, d, chunk))
             self._train_all = counted("train_chunk_vmap", lambda s, c, r, d: vrun(s, c, r, d, chunk))
         self._server = counted("server_update", algo.server_update)
-        self._stack = counted("stack", lambda xs: tree_stack(xs))
+        self._stack = jax.jit(lambda xs: tree_stack(xs, axis=0 if reps is None else 1))
+
+        client_sharding = self._client_sharding(data)
 
         def fused(state, data, selected, round_key):
             ls = vstart(state, data, selected, round_key)
+            if client_sharding is not None and selected.shape[0] % self.mesh.size == 0:
+                ls = jax.lax.with_sharding_constraint(ls, client_sharding)
             ls = vrun(ls, algo.context(state), data.train_idx[selected], data, self.max_steps)
             return algo.server_update(state, data, selected, ls, round_key)
         self._fused = counted("round", fused)
@@ -117,8 +143,10 @@ class RoundRunner:
 
     # ------------------------------------------------------------------------------- training
     def round(self, state, data: FederatedData, selected: np.ndarray, round_key: jax.Array):
-        """One federated round over the clients ``selected`` (host ints). Returns device values."""
+        """One federated round over the clients ``selected`` (host ints ``[C]``, or ``[R, C]`` with
+        repetitions; ``round_key`` then ``[R]``). Returns device values without synchronising."""
         e = self.engine
+        selected = np.asarray(selected)
         sel = jnp.asarray(selected, jnp.int32)
         if e.client_parallel == "vmap" and e.step_loop == "scan":
             return self._fused(state, data, sel, round_key)
@@ -126,22 +154,33 @@ class RoundRunner:
         if e.client_parallel == "vmap":
             ls = self._start_all(state, data, sel, round_key)
             rows = data.train_idx[sel]
-            steps = int(self.trainer.num_steps(int(self.sizes[selected].max())))
-            calls = 1 if e.step_loop == "scan" else num_chunks(steps, e.chunk_steps)
-            for _ in range(calls):
+            for _ in range(self._calls(selected)):
                 ls = self._train_all(ls, ctx, rows, data)
         else:
             finals = []
-            for k in selected:
-                ls = self._start_one(state, data, jnp.int32(k), round_key)
-                row = data.train_idx[k]
-                steps = int(self.trainer.num_steps(int(self.sizes[k])))
-                calls = 1 if e.step_loop == "scan" else num_chunks(steps, e.chunk_steps)
-                for _ in range(calls):
+            for c in range(selected.shape[-1]):
+                k = selected[..., c]
+                ls = self._start_one(state, data, jnp.asarray(k, jnp.int32), round_key)
+                row = data.train_idx[jnp.asarray(k)]
+                for _ in range(self._calls(k)):
                     ls = self._train_one(ls, ctx, row, data)
                 finals.append(ls)
             ls = self._stack(finals)
         return self._server(state, data, sel, ls, round_key)
+
+    def _calls(self, clients: np.ndarray) -> int:
+        """Compiled calls needed by the largest of ``clients`` (1 for a scan)."""
+        if self.engine.step_loop == "scan":
+            return 1
+        steps = int(self.trainer.num_steps(int(self.sizes[np.asarray(clients)].max())))
+        return num_chunks(steps, self.engine.chunk_steps)
+
+    def _client_sharding(self, data: FederatedData):
+        """Sharding of the stacked selected clients over the mesh, when the repetition axis is not
+        already sharded and the clients divide evenly."""
+        if self.mesh is None or self.reps is not None or self.mesh.size == 1:
+            return None
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.mesh.axis_names[0]))
 
     # ----------------------------------------------------------------------------- evaluation
     def features(self, backbone, data: FederatedData, flat_idx: jax.Array) -> jax.Array:
@@ -150,7 +189,7 @@ class RoundRunner:
         c = self.eval_chunk
         parts = [self._features_chunk(backbone, data, flat_idx[i:i + c])
                  for i in range(0, flat_idx.shape[0], c)]
-        return jnp.concatenate(parts)
+        return jnp.concatenate(parts, axis=0 if self.reps is None else 1)
 
     def evaluate(self, state, data: FederatedData, key: jax.Array, *, ea: bool = False) -> dict:
         """Fair (and, if ``ea``, head-adapted) accuracies of all K clients, as device values."""

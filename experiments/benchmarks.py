@@ -1,0 +1,242 @@
+"""Regenerates the measured tables of BENCHMARKS.md (and prints them).
+
+Sections (each can be run alone with --only):
+  forms   samples/s and s/round of local training for every client-parallel layout, MNIST and CIFAR-10
+          input shapes (synthetic pixels: the cost does not depend on them);
+  floor   FLOPs per sample counted from the model, this machine's fp32 matmul rate, and the compute
+          floor of a paper-preset MNIST round next to the measured round time (from --run-dir);
+  reps    1, 2, 5 repetitions in one vmapped program vs one after another;
+  devices 1, 2, 4, 8 fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N): equal
+          numbers, and time (no speed-up is expected on one CPU).
+
+Run with nothing else busy on the machine:
+
+    python experiments/benchmarks.py --run-dir runs/mnist-paper --write BENCHMARKS.generated.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pfedkdh_jax.data import Pool, make_partition
+from pfedkdh_jax.engine import EngineConfig, tree_stack
+from pfedkdh_jax.experiment import streams
+from pfedkdh_jax.federated_data import build_federated_data
+from pfedkdh_jax.model import CNN
+from pfedkdh_jax.pfedkdh import PFedKDH, PFedKDHConfig
+from pfedkdh_jax.rounds import RoundRunner
+
+FORMS = [("sequential", "unrolled", 4), ("sequential", "unrolled", 8), ("sequential", "unrolled", 16),
+         ("vmap", "unrolled", 8), ("sequential", "scan", None), ("vmap", "scan", None)]
+SHAPES = {"MNIST": (28, 28, 1), "CIFAR-10": (32, 32, 3)}
+
+
+def synthetic(shape, clients: int, steps: int, seed: int = 0):
+    """Clients of exactly ``64·steps`` train samples (one epoch = ``steps`` batches of 64)."""
+    per = 64 * steps
+    n = clients * per * 2 + 64
+    rng = np.random.default_rng(seed)
+    pool = Pool(images=rng.integers(0, 256, (n, *shape), dtype=np.uint8),
+                labels=rng.integers(0, 10, n).astype(np.int32), num_classes=10, name="synthetic", is_demo=True)
+    part = make_partition(pool.labels, num_clients=clients, alpha=1e4, aux_size=64, seed=seed, train_fraction=0.5)
+    # even sizes, so every layout does the same work
+    train = tuple(t[:per] if len(t) >= per else t for t in part.train_idx)
+    part = type(part)(aux_idx=part.aux_idx, train_idx=train, test_idx=part.test_idx, num_clients=clients)
+    return build_federated_data(pool, part, eval_chunk=512)
+
+
+def time_rounds(runner, state, data, selected, key_fn, repeats=3):
+    t0 = time.perf_counter()
+    state, _ = runner.round(state, data, selected, key_fn(0))
+    jax.block_until_ready(state)
+    first = time.perf_counter() - t0
+    times = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        state, _ = runner.round(state, data, selected, key_fn(r + 1))
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - t0)
+    return first, times
+
+
+def algo_for(shape):
+    return PFedKDH(CNN(10), PFedKDHConfig(local_epochs=1, teacher_epochs=1))
+
+
+def bench_forms(clients=4, steps=16, repeats=3) -> str:
+    lines = ["| input | clients | step loop | chunk | samples/s | s/round median (min–max) | first round |",
+             "|---|---|---|---|---|---|---|"]
+    for name, shape in SHAPES.items():
+        data = synthetic(shape, clients, steps)
+        samples = int(np.sum(np.asarray(data.train_n))) * 1
+        for cp, sl, chunk in FORMS:
+            algo = algo_for(shape)
+            runner = RoundRunner(algo, data, EngineConfig(cp, sl, chunk or 8))
+            state = algo.init(jax.random.key(0), data)
+            first, times = time_rounds(runner, state, data, np.arange(clients), jax.random.key, repeats)
+            med = statistics.median(times)
+            lines.append(f"| {name} | {cp} | {sl} | {chunk or '–'} | {samples / med:.0f} | "
+                         f"{med:.2f} ({min(times):.2f}–{max(times):.2f}) | {first:.1f} s |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def model_flops(shape) -> dict[str, float]:
+    """Multiply-adds ×2 of one forward pass, counted layer by layer."""
+    h, w, c = shape
+    h1, w1 = h - 4, w - 4
+    conv1 = 2 * h1 * w1 * 32 * 25 * c
+    h2, w2 = h1 // 2 - 4, w1 // 2 - 4
+    conv2 = 2 * h2 * w2 * 64 * 25 * 32
+    flat = (h2 // 2) * (w2 // 2) * 64
+    fc = 2 * flat * 512
+    head = 2 * 512 * 10
+    fwd = conv1 + conv2 + fc + head
+    return {"forward": fwd, "train": 3 * fwd, "pfedkdh_step": 4 * fwd}  # + teacher forward
+
+
+def matmul_rate(n=2048, repeats=5) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def bench_floor(run_dir: str | None) -> str:
+    rate = matmul_rate()
+    lines = [f"fp32 matmul rate (2048², best of 5): **{rate / 1e9:.1f} GFLOP/s**", "",
+             "| input | forward MFLOP/sample | fwd+bwd MFLOP/sample | pFedKDH step (+ teacher fwd) |",
+             "|---|---|---|---|"]
+    for name, shape in SHAPES.items():
+        f = model_flops(shape)
+        lines.append(f"| {name} | {f['forward'] / 1e6:.2f} | {f['train'] / 1e6:.1f} | {f['pfedkdh_step'] / 1e6:.1f} |")
+    if run_dir:
+        with open(os.path.join(run_dir, "summary.json")) as fh:
+            s = json.load(fh)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            rows = [json.loads(line) for line in fh]
+        sizes = np.asarray(s["partition"]["train_sizes"])
+        with open(os.path.join(run_dir, "config.json")) as fh:
+            cfg = json.load(fh)
+        steps = [cfg["local_epochs"] * -(-int(sizes[k]) // cfg["batch_size"]) * cfg["batch_size"]
+                 for r in rows[1:] for k in r["clients"]]
+        samples = np.mean(steps) * len(rows[0]["clients"])  # padded-batch sample-steps per round
+        f = model_flops((28, 28, 1))
+        floor = samples * f["pfedkdh_step"] / rate
+        floor_plain = samples * f["train"] / rate
+        spr = s["seconds_per_round"]
+        lines += ["", f"MNIST paper preset ({os.path.basename(run_dir.rstrip('/'))}): {samples:.0f} sample-steps "
+                  f"per round (mean over rounds); floor {floor:.1f} s with the teacher forward "
+                  f"({floor_plain:.1f} s without); measured {spr:.1f} s/round → "
+                  f"{spr / floor:.2f}× the floor ({100 * floor / spr:.0f} % of the matmul rate)."]
+    out = "\n".join(lines)
+    print(out, flush=True)
+    return out
+
+
+def bench_reps(clients=4, steps=8, repeats=3) -> str:
+    data = synthetic(SHAPES["MNIST"], clients, steps)
+    algo = algo_for(SHAPES["MNIST"])
+    lines = ["| repetitions | mode | s/round median (min–max) | × one repetition |", "|---|---|---|---|"]
+    base = None
+    for reps in (1, 2, 5):
+        for mode in ("vmap", "sequential"):
+            if reps == 1 and mode == "sequential":
+                continue
+            seeds = list(range(reps))
+            keys = [streams(s) for s in seeds]
+            if mode == "vmap":
+                runner = RoundRunner(algo, data, EngineConfig(), reps=reps)
+                state = tree_stack([algo.init(k["init"], data) for k in keys])
+                sel = np.tile(np.arange(clients), (reps, 1))
+                _, times = time_rounds(runner, state, data, sel,
+                                       lambda t: jnp.stack([jax.random.fold_in(k["train"], t) for k in keys]), repeats)
+            else:
+                runner = RoundRunner(algo, data, EngineConfig())
+                states = [algo.init(k["init"], data) for k in keys]
+                time_rounds(runner, states[0], data, np.arange(clients), jax.random.key, 0)
+                times = []
+                for r in range(repeats):
+                    t0 = time.perf_counter()
+                    for i in range(reps):
+                        states[i], _ = runner.round(states[i], data, np.arange(clients),
+                                                    jax.random.fold_in(keys[i]["train"], r))
+                    jax.block_until_ready(states)
+                    times.append(time.perf_counter() - t0)
+            med = statistics.median(times)
+            base = base or med
+            lines.append(f"| {reps} | {mode} | {med:.2f} ({min(times):.2f}–{max(times):.2f}) | {med / base:.2f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+DEVICE_SCRIPT = r"""
+import json, sys, time
+import jax
+from pfedkdh_jax.config import make_config
+from pfedkdh_jax.experiment import run
+cfg = make_config("smoke", out=sys.argv[1], reps=2, reps_mode="vmap", num_clients=8, rounds=3,
+                  client_parallel="vmap", step_loop="scan", checkpoint_every=0)
+t0 = time.time()
+s = run(cfg, progress=False, log=lambda *_: None)
+print(json.dumps({"devices": jax.device_count(), "acc": s["personalized_macro_accuracy"],
+                  "loss": s["final_train_loss"], "spr": s["seconds_per_round"], "wall": time.time() - t0}))
+"""
+
+
+def bench_devices(tmp="runs/bench-devices") -> str:
+    lines = ["| fake CPU devices | personalized macro acc. (2 reps, mean) | final train loss | s/round |",
+             "|---|---|---|---|"]
+    for n in (1, 2, 4, 8):
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
+        p = subprocess.run([sys.executable, "-c", DEVICE_SCRIPT, f"{tmp}/d{n}"], capture_output=True, text=True,
+                           env=env)
+        if p.returncode:
+            lines.append(f"| {n} | failed: {p.stderr.strip().splitlines()[-1][:100]} | | |")
+        else:
+            r = json.loads(p.stdout.strip().splitlines()[-1])
+            lines.append(f"| {r['devices']} | {100 * r['acc']:.4f} | {r['loss']:.6f} | {r['spr']:.2f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="forms,floor,reps,devices")
+    ap.add_argument("--run-dir", default=None, help="a finished MNIST paper-preset run, for the floor section")
+    ap.add_argument("--write", default=None, help="write the tables to this markdown file")
+    args = ap.parse_args()
+    head = (f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}, "
+            f"{os.cpu_count()} CPU cores, jax {jax.__version__}")
+    print(head, flush=True)
+    parts = [f"_Generated by `python experiments/benchmarks.py` — {head}._"]
+    sections = {"forms": ("Client-parallel layouts (local training, 4 clients × 16 steps of 64)", bench_forms),
+                "floor": ("Compute floor", lambda: bench_floor(args.run_dir)),
+                "reps": ("Repetitions (4 clients × 8 steps of 64, CPU default layout)", bench_reps),
+                "devices": ("Fake CPU devices (digits, 8 clients, 2 repetitions, vmap + scan)", bench_devices)}
+    for name in args.only.split(","):
+        title, fn = sections[name]
+        print(f"\n## {title}", flush=True)
+        parts.append(f"## {title}\n\n{fn()}")
+    if args.write:
+        with open(args.write, "w") as f:
+            f.write("\n\n".join(parts) + "\n")
+
+
+if __name__ == "__main__":
+    main()

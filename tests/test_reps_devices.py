@@ -1,0 +1,100 @@
+"""Monte Carlo repetitions as an array axis, and sharding over (fake) devices."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from pfedkdh_jax.engine import EngineConfig
+from pfedkdh_jax.experiment import streams
+from pfedkdh_jax.engine import tree_stack
+from pfedkdh_jax.model import CNN
+from pfedkdh_jax.pfedkdh import PFedKDH, PFedKDHConfig
+from pfedkdh_jax.rounds import RoundRunner, sample_schedule
+
+HP = PFedKDHConfig(lr=0.05, batch_size=8, local_epochs=1, teacher_epochs=1, ea_steps=2)
+
+
+def run_reps(data, seeds, form, rounds=2):
+    """States after ``rounds`` rounds of the given seeds, batched on a repetition axis."""
+    algo = PFedKDH(CNN(data.num_classes, 0.1), HP)
+    runner = RoundRunner(algo, data, EngineConfig(*form, chunk_steps=4), eval_chunk=64, ea_steps=2,
+                         ea_lr=HP.lr, batch_size=8, reps=len(seeds))
+    keys = [streams(s) for s in seeds]
+    state = tree_stack([algo.init(k["init"], data) for k in keys])
+    sched = np.stack([sample_schedule(k["sampling"], rounds, 4, 2) for k in keys])
+    for t in range(rounds):
+        rk = jax.numpy.stack([jax.random.fold_in(k["train"], t) for k in keys])
+        state, _ = runner.round(state, data, sched[:, t], rk)
+    ev = runner.evaluate(state, data, jax.numpy.stack([k["eval"] for k in keys]), ea=True)
+    traces = dict(runner.traces)
+    rk = jax.numpy.stack([jax.random.fold_in(k["train"], rounds) for k in keys])
+    runner.evaluate(runner.round(state, data, sched[:, 0], rk)[0], data,
+                    jax.numpy.stack([k["eval"] for k in keys]), ea=True)
+    assert dict(runner.traces) == traces, "recompiled after the first round"
+    return state, ev, runner
+
+
+@pytest.mark.parametrize("form", [("sequential", "unrolled"), ("vmap", "scan")])
+def test_repetition_in_a_batch_equals_the_seed_alone(tiny, form):
+    _, _, data = tiny
+    batch, ev, runner = run_reps(data, [3, 4, 5], form)
+    for r, seed in enumerate([3, 4, 5]):
+        alone, ev1, _ = run_reps(data, [seed], form)
+        for a, b in zip(jax.tree_util.tree_leaves(batch), jax.tree_util.tree_leaves(alone)):
+            np.testing.assert_allclose(np.asarray(a)[r], np.asarray(b)[0], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(ev["personalized_macro_accuracy_ea"][r], ev1["personalized_macro_accuracy_ea"][0],
+                                   atol=1e-5)
+
+
+def test_cli_reps_vmap_equals_sequential_and_reports_mean_std(tmp_path):
+    from pfedkdh_jax import cli
+    common = ["run", "--preset", "smoke", "--reps", "3", "--no-progress", "--chunk-steps", "4", "--clients", "6"]
+    assert cli.main([*common, "--reps-mode", "vmap", "--out", str(tmp_path / "v")]) == 0
+    assert cli.main([*common, "--reps-mode", "sequential", "--out", str(tmp_path / "s")]) == 0
+    v = json.loads((tmp_path / "v" / "summary.json").read_text())
+    s = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert [r["seed"] for r in v["repetitions"]] == [0, 1, 2]
+    for key in ["personalized_macro_accuracy", "global_macro_accuracy", "personalized_macro_accuracy_ea"]:
+        per = [r[key] for r in v["repetitions"]]
+        assert v[key] == pytest.approx(np.mean(per)) and v[f"{key}_std"] == pytest.approx(np.std(per))
+        np.testing.assert_allclose(per, [r[key] for r in s["repetitions"]], atol=1e-5)
+    assert v["personalized_macro_accuracy_std"] > 0   # different seeds, different runs
+    row = json.loads((tmp_path / "v" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert len(row["reps"]) == 3 and "personalized_macro_accuracy_std" in row
+
+
+SCRIPT = r"""
+import json, sys
+import jax
+from pfedkdh_jax.config import make_config
+from pfedkdh_jax.experiment import run
+cfg = make_config("smoke", out=sys.argv[1], reps=int(sys.argv[2]), reps_mode="vmap", clients=8,
+                  client_parallel="vmap", step_loop="scan", chunk_steps=4)
+s = run(cfg, progress=False, log=lambda *_: None)
+print(json.dumps({"devices": jax.device_count(), "summary": s}))
+"""
+
+
+def _run_on_devices(n, out, reps):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", SCRIPT.replace("clients=8", "num_clients=8"), str(out), str(reps)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("reps", [1, 2])
+def test_eight_fake_devices_match_one_device(tmp_path, reps):
+    one = _run_on_devices(1, tmp_path / "one", reps)
+    eight = _run_on_devices(8, tmp_path / "eight", reps)
+    assert (one["devices"], eight["devices"]) == (1, 8)
+    for key in ["personalized_macro_accuracy", "global_macro_accuracy", "personalized_macro_accuracy_ea",
+                "final_train_loss"]:
+        assert eight["summary"][key] == pytest.approx(one["summary"][key], abs=1e-5)
+    assert all(v == 1 for v in eight["summary"]["traces"].values())
