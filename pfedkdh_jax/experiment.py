@@ -154,7 +154,9 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
     state = algo.init(keys["init"], data)
     if cfg.warmup_epochs > 0:
         state = warmup(algo, state, data, jax.random.fold_in(keys["init"], 1), engine)
-    state = algo.before_training(state, data, jax.random.fold_in(keys["init"], 2))
+    before = getattr(algo, "before_training", None)  # optional hook (see pfedkdh_jax.rounds)
+    if before is not None:
+        state = before(state, data, jax.random.fold_in(keys["init"], 2))
     schedule = sample_schedule(keys["sampling"], cfg.rounds, cfg.num_clients, cfg.clients_per_round)
 
     history: list[dict] = []
