@@ -3,7 +3,8 @@
 Each entry names the module holding the method and its factory
 ``from_config(cfg: RunConfig, num_classes: int, args: dict) -> algorithm``, plus the method's own
 hyperparameters settable with ``--method-arg key=value``: their types and defaults (documented in the
-method's module docstring, from its paper).
+method's module docstring, from its paper), and optionally their allowed values or minimum, checked
+with the rest of the configuration before anything is loaded.
 """
 
 from __future__ import annotations
