@@ -146,6 +146,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1); got {cfg.dropout}")
     _check(cfg.teacher_epochs >= 0, f"--teacher-epochs must be >= 0; got {cfg.teacher_epochs}")
     _check(cfg.warmup_epochs >= 0, f"--warmup-epochs must be >= 0; got {cfg.warmup_epochs}")
+    _check(cfg.warmup_epochs == 0 or cfg.method == "pfedkdh",
+           f"--warmup-epochs (training on D_s before round 0) applies to pfedkdh only; got "
+           f"{cfg.warmup_epochs} with --method {cfg.method}")
     _check(cfg.ea_steps >= 0, f"--ea-steps must be >= 0; got {cfg.ea_steps}")
     _check(cfg.eval_every >= 1, f"--eval-every must be >= 1; got {cfg.eval_every}")
     _check(cfg.ea_every >= 1, f"--ea-every must be >= 1; got {cfg.ea_every}")

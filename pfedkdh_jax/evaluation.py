@@ -5,6 +5,9 @@
 * global: every test sample scored with (θ_g, φ_g); macro and micro likewise;
 * head adaptation (pFedKDH-EA): each φ_k first takes ``ea_steps`` head-only SGD steps on client k's
   train split with θ_g frozen; the adapted heads are used for that evaluation only.
+* client models: a method whose personalized model has its own backbone (FedBABU after fine-tuning)
+  is scored client by client on a static window over the client's test samples
+  (:func:`client_model_correct`).
 
 Features are computed once per evaluation for the flat list of all clients' test samples (and train
 samples for EA) in fixed-size chunks, so the convolutions never run on padding of ragged clients.
@@ -60,7 +63,37 @@ def _accuracies(logits, labels, owner, valid, k, prefix):
     correct = (jnp.argmax(logits, -1) == labels) & valid
     per_client_correct = jax.ops.segment_sum(correct.astype(jnp.float32), owner, num_segments=k + 1)[:k]
     per_client_n = jax.ops.segment_sum(valid.astype(jnp.float32), owner, num_segments=k + 1)[:k]
-    per_client = per_client_correct / jnp.maximum(per_client_n, 1.0)
+    return accuracies_from_counts(per_client_correct, per_client_n, prefix)
+
+
+def accuracies_from_counts(correct: jax.Array, count: jax.Array, prefix: str) -> dict:
+    """Macro, micro and per-client accuracy from per-client ``correct`` and ``count`` ``[K]``."""
+    per_client = correct / jnp.maximum(count, 1.0)
     return {f"{prefix}_macro_accuracy": jnp.mean(per_client),
-            f"{prefix}_micro_accuracy": jnp.sum(per_client_correct) / jnp.maximum(jnp.sum(per_client_n), 1.0),
+            f"{prefix}_micro_accuracy": jnp.sum(correct) / jnp.maximum(jnp.sum(count), 1.0),
             f"{prefix}_per_client_accuracy": per_client}
+
+
+def client_test_window(data: FederatedData, client: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """Pool indices ``[width]`` of client ``client``'s test samples and their validity mask.
+
+    ``data.test_flat`` lists the clients' test samples client after client; ``width`` (static) must be
+    at least the largest ``test_n``.
+    """
+    offsets = jnp.cumsum(data.test_n) - data.test_n
+    slots = jnp.arange(width)
+    pos = jnp.minimum(offsets[client] + slots, data.test_flat.shape[0] - 1)
+    return data.test_flat[pos], slots < data.test_n[client]
+
+
+def client_model_correct(model: CNN, params: PyTree, data: FederatedData, client: jax.Array,
+                         width: int) -> tuple[jax.Array, jax.Array]:
+    """(correct, count) of client ``client``'s own full model ``params`` on its test split.
+
+    For methods whose personalized model has its own backbone (e.g. after FedBABU's fine-tuning);
+    ``width`` is the static test window (the largest ``test_n``).
+    """
+    idx, valid = client_test_window(data, client, width)
+    x, y = gather_inputs(data, idx)
+    correct = (jnp.argmax(model.logits(params, x), -1) == y) & valid
+    return jnp.sum(correct.astype(jnp.float32)), jnp.sum(valid.astype(jnp.float32))

@@ -154,7 +154,8 @@ def _initial_state(algo, data, seed: int, engine: EngineConfig):
     state = algo.init(keys["init"], data)
     if getattr(algo.config, "warmup_epochs", 0) > 0:
         state = warmup(algo, state, data, jax.random.fold_in(keys["init"], 1), engine)
-    return algo.before_training(state, data, jax.random.fold_in(keys["init"], 2))
+    before = getattr(algo, "before_training", None)  # optional hook (see pfedkdh_jax.rounds)
+    return state if before is None else before(state, data, jax.random.fold_in(keys["init"], 2))
 
 
 def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool = False,

@@ -3,7 +3,8 @@
 Each entry names the module holding the method and its factory
 ``from_config(cfg: RunConfig, num_classes: int, args: dict) -> algorithm``, plus the method's own
 hyperparameters settable with ``--method-arg key=value``: their types and defaults (documented in the
-method's module docstring, from its paper).
+method's module docstring, from its paper), and optionally their allowed values or minimum, checked
+with the rest of the configuration before anything is loaded.
 """
 
 from __future__ import annotations
@@ -17,10 +18,24 @@ class MethodSpec:
     module: str                                   # e.g. "pfedkdh_jax.pfedkdh"
     args: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> default (its type is the type)
     summary: str = ""
+    choices: dict[str, tuple] = dataclasses.field(default_factory=dict)  # name -> allowed values
+    minimum: dict[str, Any] = dataclasses.field(default_factory=dict)    # name -> smallest allowed value
 
 
 METHODS: dict[str, MethodSpec] = {
     "pfedkdh": MethodSpec("pfedkdh_jax.pfedkdh", {}, "pFedKDH (λ, T, μ, EA steps have their own flags)"),
+    # Baselines (method.md §5); defaults and their sources are in each module's docstring.
+    "fedavg": MethodSpec("pfedkdh_jax.baselines.fedavg", {}, "FedAvg (McMahan et al. 2017), global model"),
+    "fedprox": MethodSpec("pfedkdh_jax.baselines.fedprox", {"mu": 1.0},
+                          "FedProx (Li et al. 2020), global model; μ via --method-arg mu=, not --mu",
+                          minimum={"mu": 0.0}),
+    "fedper": MethodSpec("pfedkdh_jax.baselines.fedper", {}, "FedPer (Arivazhagan et al. 2019)"),
+    "fedrep": MethodSpec("pfedkdh_jax.baselines.fedrep", {"head_epochs": 10},
+                         "FedRep (Collins et al. 2021): head epochs, then --local-epochs body epochs",
+                         minimum={"head_epochs": 0}),
+    "fedbabu": MethodSpec("pfedkdh_jax.baselines.fedbabu", {"finetune_epochs": 5, "finetune_part": "full"},
+                          "FedBABU (Oh et al. 2022): frozen head; evaluated after fine-tuning",
+                          choices={"finetune_part": ("full", "head")}, minimum={"finetune_epochs": 0}),
 }
 
 
@@ -42,6 +57,11 @@ def parse_method_args(method: str, pairs) -> dict[str, Any]:
                 value = type(default)(text)
         except ValueError:
             raise ValueError(f"--method-arg {key}={text!r}: expected {type(default).__name__}") from None
+        if key in spec.choices and value not in spec.choices[key]:
+            raise ValueError(f"--method-arg {key} must be one of {', '.join(map(str, spec.choices[key]))}; "
+                             f"got {text!r}")
+        if key in spec.minimum and value < spec.minimum[key]:
+            raise ValueError(f"--method-arg {key} must be >= {spec.minimum[key]}; got {text!r}")
         out[key] = value
     return out
 

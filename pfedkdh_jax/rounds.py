@@ -7,7 +7,19 @@ An algorithm (pFedKDH or a baseline) supplies pure functions:
 * ``client_start(state, data, k, round_key) -> LocalState``;
 * ``server_update(state, data, selected, finals, round_key) -> (state, metrics)`` with ``finals``
   stacked over the selected clients ``[C, ...]``;
-* ``eval_models(state) -> (backbone, heads [K, ...], global_head)``.
+* ``eval_models(state) -> (backbone, heads [K, ...], global_head)``; ``global_head`` may be ``None``
+  for a method that has no server-side head (then no ``global_*`` accuracies are reported).
+
+Optional hooks (absent attributes mean "not used"):
+
+* ``before_training(state, data, key) -> state``: called once by the experiment driver before round 0;
+* ``finetune_trainer`` (a :class:`~pfedkdh_jax.engine.LocalTrainer`, or ``None``) and
+  ``finetune_start(state, data, k, key) -> LocalState``: a method whose personalized model is obtained
+  by local fine-tuning at evaluation time (FedBABU). :meth:`RoundRunner.evaluate` then fine-tunes a copy
+  of every client's full model ``{"backbone", "head"}`` on its train split (all K clients, same engine
+  layout as training) and scores the ``personalized_*`` accuracies with each client's fine-tuned model on
+  its own test split. The fine-tuned models are used for that evaluation only and never persisted; the
+  ``global_*`` accuracies still come from ``eval_models``.
 
 :class:`RoundRunner` compiles each piece once and chains the calls without host synchronisation;
 with ``vmap`` + ``scan`` a whole round is a single compiled call. ``traces`` counts how often each
@@ -55,6 +67,65 @@ REP_AXES = {
 }
 
 
+class _LocalCalls:
+    """Compiled client-start and local-training calls of one local problem (training, fine-tuning).
+
+    ``names`` = (start name, run name) as counted in ``RoundRunner.traces``.
+    """
+
+    def __init__(self, counted, engine: EngineConfig, trainer, start, sizes: np.ndarray, names):
+        start_name, run_name = names
+        self.engine = engine
+        self.trainer = trainer
+        self.sizes = sizes
+        self.max_steps = int(trainer.num_steps(int(sizes.max())))
+        chunk = engine.chunk_steps
+
+        def run_one(state, ctx, idx_row, data, num):
+            return trainer.run(state, ctx, idx_row, data, num, engine.step_loop, chunk)
+
+        self.vstart = jax.vmap(start, in_axes=(None, None, 0, None))
+        self.vrun = jax.vmap(run_one, in_axes=(0, None, 0, None, None))
+        self.start_one = counted(start_name, start)
+        self.start_all = counted(f"{start_name}_vmap", self.vstart)
+        vrun, max_steps = self.vrun, self.max_steps
+        if engine.step_loop == "scan":
+            self.train_one = counted(f"{run_name}_scan", lambda s, c, r, d: run_one(s, c, r, d, max_steps))
+            self.train_all = counted(f"{run_name}_scan_vmap", lambda s, c, r, d: vrun(s, c, r, d, max_steps))
+        else:
+            self.train_one = counted(f"{run_name}_chunk", lambda s, c, r, d: run_one(s, c, r, d, chunk))
+            self.train_all = counted(f"{run_name}_chunk_vmap", lambda s, c, r, d: vrun(s, c, r, d, chunk))
+
+    def calls(self, clients: np.ndarray) -> int:
+        """Compiled calls needed for the largest of ``clients`` (1 with a scan)."""
+        if self.engine.step_loop == "scan":
+            return 1
+        return num_chunks(int(self.trainer.num_steps(int(self.sizes[clients].max()))),
+                          self.engine.chunk_steps)
+
+    def run_all(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array):
+        """Local states of ``clients`` (host ints) after local training, stacked ``[C, ...]``
+        (vmap layout)."""
+        sel = jnp.asarray(clients, jnp.int32)
+        ls = self.start_all(state, data, sel, key)
+        rows = data.train_idx[sel]
+        for _ in range(self.calls(clients)):
+            ls = self.train_all(ls, ctx, rows, data)
+        return ls
+
+    def run_each(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array):
+        """Yield ``(k, final local state)`` for each of ``clients``, one after another
+        (sequential layout)."""
+        clients = np.asarray(clients)
+        for c in range(clients.shape[-1]):
+            k = clients[..., c]  # one client, or one per repetition ([R])
+            ls = self.start_one(state, data, jnp.asarray(k, jnp.int32), key)
+            row = data.train_idx[jnp.asarray(k)]
+            for _ in range(self.calls(np.ravel(k))):
+                ls = self.train_one(ls, ctx, row, data)
+            yield k, ls
+
+
 class RoundRunner:
     """Compiled round and evaluation functions of one algorithm on one data layout."""
 
@@ -72,11 +143,12 @@ class RoundRunner:
         self.ea_steps = ea_steps
         self.traces: collections.Counter = collections.Counter()
         model = algo.model
-        chunk = self.engine.chunk_steps
-        t = self.trainer
 
         def counted(name, fn):
             if reps is not None:
+                if name not in REP_AXES:
+                    raise ValueError(f"{type(algo).__name__}: '{name}' has no repetition axis; "
+                                     "run its repetitions sequentially")
                 fn = jax.vmap(fn, in_axes=REP_AXES[name])
 
             def wrapper(*args, **kwargs):
@@ -84,30 +156,18 @@ class RoundRunner:
                 return fn(*args, **kwargs)
             return jax.jit(wrapper)
 
-        vstart = jax.vmap(algo.client_start, in_axes=(None, None, 0, None))
-        self._start_one = counted("client_start", algo.client_start)
-        self._start_all = counted("client_start_vmap", vstart)
-
-        def run_one(state, ctx, idx_row, data, num):
-            return t.run(state, ctx, idx_row, data, num, self.engine.step_loop, chunk)
-
-        vrun = jax.vmap(run_one, in_axes=(0, None, 0, None, None))
-        if self.engine.step_loop == "scan":
-            self._train_one = counted("train_scan", lambda s, c, r, d: run_one(s, c, r, d, self.max_steps))
-            self._train_all = counted("train_scan_vmap", lambda s, c, r, d: vrun(s, c, r, d, self.max_steps))
-        else:
-            self._train_one = counted("train_chunk", lambda s, c, r, d: run_one(s, c, r, d, chunk))
-            self._train_all = counted("train_chunk_vmap", lambda s, c, r, d: vrun(s, c, r, d, chunk))
+        self._local = _LocalCalls(counted, self.engine, self.trainer, algo.client_start, self.sizes,
+                                  ("client_start", "train"))
         self._server = counted("server_update", algo.server_update)
         self._stack = jax.jit(lambda xs: tree_stack(xs, axis=0 if reps is None else 1))
-
+        local = self._local
         client_sharding = self._client_sharding(data)
 
         def fused(state, data, selected, round_key):
-            ls = vstart(state, data, selected, round_key)
+            ls = local.vstart(state, data, selected, round_key)
             if client_sharding is not None and selected.shape[0] % self.mesh.size == 0:
                 ls = jax.lax.with_sharding_constraint(ls, client_sharding)
-            ls = vrun(ls, algo.context(state), data.train_idx[selected], data, self.max_steps)
+            ls = local.vrun(ls, algo.context(state), data.train_idx[selected], data, local.max_steps)
             return algo.server_update(state, data, selected, ls, round_key)
         self._fused = counted("round", fused)
 
@@ -141,6 +201,35 @@ class RoundRunner:
                 return {f"{k}_ea": v for k, v in m.items()}
             self._ea = counted("ea", adapted)
 
+        # --- evaluation after local fine-tuning (optional hook, e.g. FedBABU)
+        self._finetune = None
+        ft_trainer = getattr(algo, "finetune_trainer", None)
+        if ft_trainer is not None:
+            ft = _LocalCalls(counted, self.engine, ft_trainer, algo.finetune_start, self.sizes,
+                             ("finetune_start", "finetune"))
+            width = int(np.max(np.asarray(data.test_n)))  # static test window of one client (host, once)
+
+            def count_one(params, data, k):
+                return evaluation.client_model_correct(model, params, data, k, width)
+
+            def count_all(params, data):
+                return jax.lax.map(lambda a: count_one(a[0], data, a[1]),
+                                   (params, jnp.arange(data.num_clients)))
+
+            def finetune_fused(state, data, key):
+                everyone = jnp.arange(data.num_clients)
+                ls = ft.vstart(state, data, everyone, key)
+                ls = ft.vrun(ls, None, data.train_idx, data, ft.max_steps)
+                return evaluation.accuracies_from_counts(*count_all(ls.params, data), "personalized")
+
+            self._finetune = ft
+            self._ft_count_one = counted("finetune_count", count_one)
+            self._ft_count_all = counted("finetune_count_all", count_all)
+            self._ft_metrics = counted(
+                "finetune_metrics",
+                lambda c, n: evaluation.accuracies_from_counts(jnp.stack(c), jnp.stack(n), "personalized"))
+            self._ft_fused = counted("finetune_fused", finetune_fused)
+
     # ------------------------------------------------------------------------------- training
     def round(self, state, data: FederatedData, selected: np.ndarray, round_key: jax.Array):
         """One federated round over the clients ``selected`` (host ints ``[C]``, or ``[R, C]`` with
@@ -152,28 +241,10 @@ class RoundRunner:
             return self._fused(state, data, sel, round_key)
         ctx = self.algo.context(state)
         if e.client_parallel == "vmap":
-            ls = self._start_all(state, data, sel, round_key)
-            rows = data.train_idx[sel]
-            for _ in range(self._calls(selected)):
-                ls = self._train_all(ls, ctx, rows, data)
+            ls = self._local.run_all(state, ctx, data, selected, round_key)
         else:
-            finals = []
-            for c in range(selected.shape[-1]):
-                k = selected[..., c]
-                ls = self._start_one(state, data, jnp.asarray(k, jnp.int32), round_key)
-                row = data.train_idx[jnp.asarray(k)]
-                for _ in range(self._calls(k)):
-                    ls = self._train_one(ls, ctx, row, data)
-                finals.append(ls)
-            ls = self._stack(finals)
+            ls = self._stack([f for _, f in self._local.run_each(state, ctx, data, selected, round_key)])
         return self._server(state, data, sel, ls, round_key)
-
-    def _calls(self, clients: np.ndarray) -> int:
-        """Compiled calls needed by the largest of ``clients`` (1 for a scan)."""
-        if self.engine.step_loop == "scan":
-            return 1
-        steps = int(self.trainer.num_steps(int(self.sizes[np.asarray(clients)].max())))
-        return num_chunks(steps, self.engine.chunk_steps)
 
     def _client_sharding(self, data: FederatedData):
         """Sharding of the stacked selected clients over the mesh, when the repetition axis is not
@@ -192,11 +263,34 @@ class RoundRunner:
         return jnp.concatenate(parts, axis=0 if self.reps is None else 1)
 
     def evaluate(self, state, data: FederatedData, key: jax.Array, *, ea: bool = False) -> dict:
-        """Fair (and, if ``ea``, head-adapted) accuracies of all K clients, as device values."""
+        """Fair (and, if ``ea``, head-adapted) accuracies of all K clients, as device values.
+
+        For an algorithm with a fine-tuning hook the ``personalized_*`` values are those of the
+        clients' fine-tuned models (see the module docstring).
+        """
         backbone = self.algo.eval_models(state)[0]
         test_feats = self.features(backbone, data, data.test_flat)
         metrics = self._score(state, data, test_feats)
+        if self._finetune is not None:
+            metrics.update(self.finetuned(state, data, jax.random.fold_in(key, 1)))
         if ea and self.ea_steps > 0:
             train_feats = self.features(backbone, data, data.train_flat)
             metrics.update(self._ea(state, data, train_feats, test_feats, key))
         return metrics
+
+    def finetuned(self, state, data: FederatedData, key: jax.Array) -> dict:
+        """``personalized_*`` accuracies of every client's model after the algorithm's local
+        fine-tuning (all K clients; the fine-tuned models are discarded)."""
+        e, ft = self.engine, self._finetune
+        if e.client_parallel == "vmap" and e.step_loop == "scan":
+            return self._ft_fused(state, data, key)
+        everyone = np.arange(data.num_clients)
+        if e.client_parallel == "vmap":
+            ls = ft.run_all(state, None, data, everyone, key)
+            return evaluation.accuracies_from_counts(*self._ft_count_all(ls.params, data), "personalized")
+        correct, count = [], []
+        for k, ls in ft.run_each(state, None, data, everyone, key):
+            c, n = self._ft_count_one(ls.params, data, jnp.int32(k))
+            correct.append(c)
+            count.append(n)
+        return self._ft_metrics(correct, count)

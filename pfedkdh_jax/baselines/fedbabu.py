@@ -1,0 +1,139 @@
+"""FedBABU: federated averaging with body aggregation and body update; fine-tuning at evaluation.
+
+Oh, Kim, Yun, "FedBABU: Toward Enhanced Representation for Federated Image Classification",
+ICLR 2022.
+
+During federated training the head is never updated: every client uses the same randomly initialised
+head φ⁰ (the shared initialisation of method.md §1), trains only the body θ_k (E epochs of SGD from
+θ_g on the cross-entropy, head frozen) and uploads it; θ_g ← Σ n_k θ_k / Σ n_k. Personalization
+happens only at evaluation: each client fine-tunes a copy of the global model (θ_g, φ⁰) on its own
+train split for ``finetune_epochs`` epochs and is scored with the fine-tuned model on its test split;
+the fine-tuned models are thrown away (the next round starts from θ_g, φ⁰ again).
+
+On the shared engine: the training optimizer is ``body_only(sgd)`` (``optax.set_to_zero`` on the
+head), so φ⁰ stays bit-identical through every round. The fine-tuning is the round runner's optional
+fine-tuning hook (``finetune_trainer`` / ``finetune_start``, see :mod:`pfedkdh_jax.rounds`), run for
+all K clients at every evaluation with the same engine layout as training; its results are the
+``personalized_*`` accuracies. The ``global_*`` accuracies are those of the un-fine-tuned global
+model (θ_g, φ⁰), the paper's "initial" accuracy. (The runner's head-only EA evaluation, ``*_ea``,
+is a separate, pFedKDH-style diagnostic starting from φ⁰; it is not FedBABU's protocol.)
+
+Hyperparameters (``--method-arg``):
+
+* ``finetune_epochs`` = 5: the paper's fine-tuning epochs τ_f for its personalized accuracy (also the
+  official code's ``ft_ep`` default). PFLlib uses 10 (``fine_tuning_epochs``).
+* ``finetune_part`` = ``full``: the paper's personalization fine-tunes the whole network (body and
+  head); ``head`` fine-tunes only the head (body frozen), the variant its abstract describes.
+  Fine-tuning uses the shared optimizer, learning rate and batch size.
+
+Differences from PFLlib: PFLlib evaluates every round with the *un*-fine-tuned model (a random head)
+and fine-tunes once, after the last round; here every evaluation fine-tunes (the paper's protocol),
+so FedBABU's curves are of personalized accuracy throughout. That costs K · τ_f epochs of local
+training per evaluation (``--eval-every`` thins it). The paper's SGD has momentum 0.9 and its code
+averages the bodies uniformly over balanced clients; here plain SGD and n_k weights, as for every
+method (method.md §3/§5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from pfedkdh_jax.baselines import _common as C
+from pfedkdh_jax.engine import LocalState, LocalTrainer
+from pfedkdh_jax.federated_data import FederatedData
+from pfedkdh_jax.model import CNN
+
+PyTree = Any
+
+DEFAULT_FINETUNE_EPOCHS = 5
+FINETUNE_PARTS = ("full", "head")
+
+
+@dataclasses.dataclass(frozen=True)
+class FedBABUConfig(C.LocalConfig):
+    finetune_epochs: int = DEFAULT_FINETUNE_EPOCHS  # τ_f, epochs of fine-tuning before evaluation (0: none)
+    finetune_part: str = "full"                      # "full" (body and head) | "head"
+
+
+@dataclasses.dataclass(frozen=True)
+class FedBABU:
+    """FedBABU over a :class:`CNN`. Static; every method is pure and jittable."""
+
+    model: CNN
+    config: FedBABUConfig = FedBABUConfig()
+
+    name = "fedbabu"
+
+    def __post_init__(self):
+        if self.config.finetune_part not in FINETUNE_PARTS:
+            raise ValueError(f"fedbabu finetune_part must be one of {FINETUNE_PARTS}; "
+                             f"got {self.config.finetune_part!r}")
+
+    def init(self, key: jax.Array, data: FederatedData) -> C.SharedModelState:
+        """θ_g⁰ and the shared, frozen head φ⁰ from ``key``."""
+        params = C.init_params(self.model, key, data)
+        return C.SharedModelState(backbone=params["backbone"], head=params["head"],
+                                  round=jnp.zeros((), jnp.int32), num_clients=data.num_clients)
+
+    # ------------------------------------------------------------------------------ client side
+    @property
+    def trainer(self) -> LocalTrainer:
+        """Body update only: the head gets exactly zero updates."""
+        return C.sgd_trainer(C.cross_entropy_loss(self.model), C.body_only(optax.sgd(self.config.lr)),
+                             self.config)
+
+    def context(self, state: C.SharedModelState) -> PyTree:
+        return None
+
+    def client_start(self, state: C.SharedModelState, data: FederatedData, client: jax.Array,
+                     round_key: jax.Array) -> LocalState:
+        """Client ``client`` starts from (θ_g, φ⁰)."""
+        params = {"backbone": state.backbone, "head": state.head}
+        return self.trainer.init(params, jax.random.fold_in(round_key, client),
+                                 data.train_n[client], data.max_train)
+
+    # ------------------------------------------------------------------------------ server side
+    def server_update(self, state: C.SharedModelState, data: FederatedData, selected: jax.Array,
+                      finals: LocalState, round_key: jax.Array) -> tuple[C.SharedModelState, dict]:
+        """θ_g ← Σ n_k θ_k / Σ n_k; the head is not uploaded (it is φ⁰ everywhere)."""
+        del round_key
+        backbone = C.average_uploads(finals.params["backbone"], data, selected)
+        return (state.replace(backbone=backbone, round=state.round + 1),
+                {"train_loss": C.mean_train_loss(finals)})
+
+    # ------------------------------------------------------------------------------- evaluation
+    def eval_models(self, state: C.SharedModelState):
+        """The un-fine-tuned global model (θ_g, φ⁰) for everyone; the runner's fine-tuning hook
+        replaces the personalized accuracies."""
+        return state.backbone, C.broadcast_clients(state.head, state.num_clients), state.head
+
+    @property
+    def finetune_trainer(self) -> LocalTrainer | None:
+        """``finetune_epochs`` epochs of SGD on the client's train split (whole model or head only)."""
+        c = self.config
+        if c.finetune_epochs == 0:
+            return None
+        tx = optax.sgd(c.lr) if c.finetune_part == "full" else C.head_only(optax.sgd(c.lr))
+        return C.sgd_trainer(C.cross_entropy_loss(self.model), tx, c, epochs=c.finetune_epochs)
+
+    def finetune_start(self, state: C.SharedModelState, data: FederatedData, client: jax.Array,
+                       key: jax.Array) -> LocalState:
+        """A copy of the global model (θ_g, φ⁰) for client ``client`` to fine-tune."""
+        params = {"backbone": state.backbone, "head": state.head}
+        return self.finetune_trainer.init(params, jax.random.fold_in(key, client),
+                                          data.train_n[client], data.max_train)
+
+
+def from_config(cfg, num_classes: int, args: dict) -> FedBABU:
+    """FedBABU with the run's shared budget; ``args``: ``finetune_epochs``, ``finetune_part``."""
+    epochs = int(args.get("finetune_epochs", DEFAULT_FINETUNE_EPOCHS))
+    if epochs < 0:
+        raise ValueError(f"fedbabu finetune_epochs must be >= 0; got {epochs}")
+    return FedBABU(CNN(num_classes, cfg.dropout),
+                   FedBABUConfig(**dataclasses.asdict(C.local_config(cfg)), finetune_epochs=epochs,
+                                 finetune_part=str(args.get("finetune_part", "full"))))
