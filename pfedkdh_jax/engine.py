@@ -50,6 +50,7 @@ class LocalState:
     n: jax.Array            # int32 []: the client's number of samples
     step: jax.Array         # int32 []: local steps taken so far
     loss_sum: jax.Array     # float32 []: sum of the losses of the steps taken
+    aux: PyTree = None      # carried unchanged by training: values client_start hands to server_update
 
 
 def steps_for(n, epochs: int, batch_size: int, max_steps: int | None = None):
@@ -72,6 +73,9 @@ class LocalTrainer:
       epochs: epochs over the client's samples (also the number of permutations drawn).
       batch_size: B.
       max_steps: optional cap on the number of steps (a fixed-step problem such as head adaptation).
+      update: optional step rule ``(params, opt_state, ctx, x, y, mask, rng) -> (loss, params,
+        opt_state)`` replacing the default "gradient of ``loss_fn``, then ``tx``" (for updates that are
+        not one gradient step, e.g. pFedMe's inner solve or a projected step).
     """
 
     loss_fn: Callable[..., jax.Array]
@@ -80,12 +84,14 @@ class LocalTrainer:
     epochs: int
     batch_size: int
     max_steps: int | None = None
+    update: Callable[..., tuple] | None = None
 
     def num_steps(self, n):
         return steps_for(n, self.epochs, self.batch_size, self.max_steps)
 
-    def init(self, params: PyTree, key: jax.Array, n: jax.Array, row_length: int) -> LocalState:
-        """Local state of a client with ``n`` valid slots out of ``row_length``."""
+    def init(self, params: PyTree, key: jax.Array, n: jax.Array, row_length: int,
+             aux: PyTree = None) -> LocalState:
+        """Local state of a client with ``n`` valid slots out of ``row_length`` (``aux``: see LocalState)."""
         slots = jnp.arange(row_length)
 
         def order(e):
@@ -95,7 +101,7 @@ class LocalTrainer:
         perms = jax.vmap(order)(jnp.arange(self.epochs))
         return LocalState(params=params, opt_state=self.tx.init(params), perms=perms,
                           key=key, n=jnp.asarray(n, jnp.int32), step=jnp.zeros((), jnp.int32),
-                          loss_sum=jnp.zeros((), jnp.float32))
+                          loss_sum=jnp.zeros((), jnp.float32), aux=aux)
 
     def step(self, state: LocalState, ctx: PyTree, idx_row: jax.Array, source: Any,
              gate: str = "cond") -> LocalState:
@@ -117,10 +123,14 @@ class LocalTrainer:
             pos = s.perms[epoch, jnp.minimum(slots, s.perms.shape[1] - 1)]
             x, y = self.gather(source, idx_row[pos])
             rng = jax.random.fold_in(jax.random.fold_in(s.key, 1 << 20), s.step)
-            loss, grads = jax.value_and_grad(self.loss_fn)(s.params, ctx, x, y, mask, rng)
-            updates, opt_state = self.tx.update(grads, s.opt_state, s.params)
-            return s.replace(params=optax.apply_updates(s.params, updates), opt_state=opt_state,
-                             step=s.step + 1, loss_sum=s.loss_sum + loss)
+            if self.update is None:
+                loss, grads = jax.value_and_grad(self.loss_fn)(s.params, ctx, x, y, mask, rng)
+                updates, opt_state = self.tx.update(grads, s.opt_state, s.params)
+                params = optax.apply_updates(s.params, updates)
+            else:
+                loss, params, opt_state = self.update(s.params, s.opt_state, ctx, x, y, mask, rng)
+            return s.replace(params=params, opt_state=opt_state, step=s.step + 1,
+                             loss_sum=s.loss_sum + loss)
 
         if gate == "where":
             new = take(state)

@@ -11,6 +11,11 @@
 
 Features are computed once per evaluation for the flat list of all clients' test samples (and train
 samples for EA) in fixed-size chunks, so the convolutions never run on padding of ragged clients.
+
+Methods whose clients keep whole models of their own (Ditto, pFedMe, FedProto, FedALA) have one
+backbone per client (``[K, ...]``): each test sample's features then come from its owner's backbone.
+:func:`owner_chunks` regroups the flat test list into chunks that each belong to one client (every
+client padded to a multiple of the chunk size only), so a chunk is one call with one backbone.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pfedkdh_jax.federated_data import FederatedData, gather_inputs
 from pfedkdh_jax.model import CNN
@@ -39,24 +45,68 @@ def features_of(model: CNN, backbone: PyTree, data: FederatedData, idx: jax.Arra
     return model.features(backbone, gather_inputs(data, idx)[0])
 
 
-def score(model: CNN, feats: jax.Array, labels: jax.Array, owner: jax.Array, heads: PyTree,
-          global_head: PyTree | None, num_clients: int) -> dict:
+def owner_chunks(flat_idx, owner, num_clients: int, chunk: int):
+    """Regroup a flat, owner-tagged index list into single-owner chunks (host numpy).
+
+    Returns ``idx [G, chunk]`` (pool indices; padding repeats index 0), ``slot_owner [G·chunk]``
+    (the owner of every slot, ``num_clients`` for padding) and ``chunk_owner [G]``.
+    """
+    flat_idx, owner = np.asarray(flat_idx), np.asarray(owner)
+    idx, slot_owner, chunk_owner = [], [], []
+    for k in range(num_clients):
+        rows = flat_idx[owner == k]
+        g = -(-len(rows) // chunk)
+        pad = g * chunk - len(rows)
+        idx.append(np.concatenate([rows, np.zeros(pad, rows.dtype)]))
+        slot_owner.append(np.concatenate([np.full(len(rows), k), np.full(pad, num_clients)]))
+        chunk_owner.append(np.full(g, k))
+    return (np.concatenate(idx).reshape(-1, chunk).astype(np.int32),
+            np.concatenate(slot_owner).astype(np.int32), np.concatenate(chunk_owner).astype(np.int32))
+
+
+def owned_features_of(model: CNN, backbones: PyTree, data: FederatedData, client: jax.Array,
+                      idx: jax.Array) -> jax.Array:
+    """Features of pool indices ``idx`` under client ``client``'s backbone (``backbones [K, ...]``)."""
+    backbone = jax.tree_util.tree_map(lambda b: b[client], backbones)
+    return features_of(model, backbone, data, idx)
+
+
+def owned_features(model: CNN, backbones: PyTree, data: FederatedData, chunk_owner: jax.Array,
+                   idx: jax.Array) -> jax.Array:
+    """Features ``[G·chunk, 512]`` of single-owner chunks ``idx [G, chunk]`` with ``lax.map``."""
+    def one(args):
+        return owned_features_of(model, backbones, data, *args)
+    return jax.lax.map(one, (chunk_owner, idx)).reshape(idx.shape[0] * idx.shape[1], -1)
+
+
+def score(model: CNN, feats: jax.Array, labels: jax.Array, owner: jax.Array, heads: PyTree | None,
+          global_head: PyTree | None, num_clients: int, extra_heads: dict | None = None) -> dict:
     """Accuracies of the samples ``feats`` owned by ``owner`` (``num_clients`` marks padding).
 
-    ``heads`` holds one head per client (``[K, ...]``); sample i is scored with ``heads[owner[i]]``.
-    Returns device scalars plus the per-client personalized accuracy ``[K]``.
+    ``heads`` holds one head per client (``[K, ...]``); sample i is scored with ``heads[owner[i]]``
+    (metrics ``personalized_*``); ``global_head`` scores every sample (``global_*``); each entry
+    ``name: heads [K, ...]`` of ``extra_heads`` is scored like ``heads`` (``name_*``).
+    Returns device scalars plus the per-client accuracies ``[K]``.
     """
     k = num_clients
     valid = owner < k
-    safe_owner = jnp.minimum(owner, k - 1)
-    # Logits of every sample under every client head: [T, K, classes]; cheap next to the backbone.
-    all_logits = jax.vmap(model.logits_from_features, in_axes=(0, None), out_axes=1)(heads, feats)
-    logits = jnp.take_along_axis(all_logits, safe_owner[:, None, None], axis=1)[:, 0]
-    metrics = _accuracies(logits, labels, owner, valid, k, "personalized")
+    metrics = {}
+    named = ({"personalized": heads} if heads is not None else {}) | dict(extra_heads or {})
+    for prefix, client_heads in named.items():
+        metrics.update(_accuracies(_owner_logits(model, client_heads, feats, owner, k), labels, owner,
+                                   valid, k, prefix))
     if global_head is not None:
         metrics.update(_accuracies(model.logits_from_features(global_head, feats), labels, owner,
                                    valid, k, "global"))
     return metrics
+
+
+def _owner_logits(model: CNN, heads: PyTree, feats: jax.Array, owner: jax.Array, k: int) -> jax.Array:
+    """Logits of sample i under ``heads[owner[i]]``."""
+    safe_owner = jnp.minimum(owner, k - 1)
+    # Logits of every sample under every client head: [T, K, classes]; cheap next to the backbone.
+    all_logits = jax.vmap(model.logits_from_features, in_axes=(0, None), out_axes=1)(heads, feats)
+    return jnp.take_along_axis(all_logits, safe_owner[:, None, None], axis=1)[:, 0]
 
 
 def _accuracies(logits, labels, owner, valid, k, prefix):

@@ -27,7 +27,7 @@ from pfedkdh_jax.federated_data import FederatedData, build_federated_data, gath
 from pfedkdh_jax.losses import cross_entropy, masked_mean
 from pfedkdh_jax.model import CNN
 from pfedkdh_jax.pfedkdh import PFedKDH
-from pfedkdh_jax.rounds import RoundRunner, sample_schedule
+from pfedkdh_jax.rounds import RoundRunner, sample_schedule, supports_rep_axis
 
 METRIC_KEYS = ("personalized_macro_accuracy", "personalized_micro_accuracy",
                "global_macro_accuracy", "global_micro_accuracy")
@@ -186,6 +186,10 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
     engine = EngineConfig(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps).resolved()
     seeds = [cfg.seed + r for r in range(cfg.reps)]
     batched = cfg.reps > 1 and resolved_reps_mode(cfg) == "vmap"
+    if batched and not supports_rep_axis(algo):
+        log(f"note: {cfg.method} has pieces without a repetition axis; its repetitions run one after "
+            "another (same numbers)")
+        batched = False
     mesh = jax.make_mesh((jax.device_count(),), ("devices",)) if jax.device_count() > 1 else None
     if mesh is not None:
         data = jax.device_put(data, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))

@@ -20,6 +20,18 @@ Optional hooks (absent attributes mean "not used"):
   layout as training) and scores the ``personalized_*`` accuracies with each client's fine-tuned model on
   its own test split. The fine-tuned models are used for that evaluation only and never persisted; the
   ``global_*`` accuracies still come from ``eval_models``.
+* ``client_final(state, data, client, local_state, round_key) -> upload``: client-side work after local
+  training (e.g. FedProto's class prototypes); ``server_update`` then receives these uploads, stacked
+  ``[C, ...]``, as ``finals`` instead of the final :class:`~pfedkdh_jax.engine.LocalState`. Called per
+  client with the sequential layout and vmapped otherwise, like ``client_start``.
+* ``LocalState.aux`` carries values from ``client_start`` to ``server_update`` unchanged by training
+  (e.g. FedALA's learned aggregation weights).
+* ``per_client_backbone = True``: every client evaluates with a whole model of its own. Then
+  ``eval_models(state) -> (backbones [K, ...], heads [K, ...], global_model)`` where ``global_model`` is
+  ``None`` or a full ``{"backbone", "head"}`` scored on every client's test split (``global_*``); each
+  test sample's features come from its owner's backbone (see :func:`evaluation.owner_chunks`); an
+  optional ``eval_extra_heads(state) -> {name: heads [K, ...]}`` adds ``name_*`` metrics on the same
+  features. Head adaptation (EA) applies to shared-backbone methods only.
 
 :class:`RoundRunner` compiles each piece once and chains the calls without host synchronisation;
 with ``vmap`` + ``scan`` a whole round is a single compiled call. ``traces`` counts how often each
@@ -47,6 +59,13 @@ from pfedkdh_jax.engine import EngineConfig, num_chunks, tree_stack
 from pfedkdh_jax.federated_data import FederatedData
 
 PyTree = Any
+
+
+def supports_rep_axis(algo) -> bool:
+    """Whether the algorithm's pieces all have a repetition axis (``REP_AXES``); the others run their
+    repetitions one after another."""
+    return not (getattr(algo, "client_final", None) or getattr(algo, "per_client_backbone", False)
+                or getattr(algo, "finetune_trainer", None))
 
 
 def sample_schedule(key: jax.Array, num_rounds: int, num_clients: int, per_round: int) -> np.ndarray:
@@ -131,10 +150,14 @@ class RoundRunner:
 
     def __init__(self, algo, data: FederatedData, engine: EngineConfig = EngineConfig(), *,
                  eval_chunk: int = 2048, ea_steps: int = 0, ea_lr: float = 0.015, batch_size: int = 64,
-                 reps: int | None = None, mesh: jax.sharding.Mesh | None = None):
+                 owner_chunk: int | None = None, reps: int | None = None,
+                 mesh: jax.sharding.Mesh | None = None):
         self.algo = algo
         self.reps = reps
         self.mesh = mesh
+        self.per_client = bool(getattr(algo, "per_client_backbone", False))
+        if self.per_client:
+            ea_steps = 0  # EA adapts heads over shared-backbone features
         self.engine = engine.resolved()
         self.trainer = algo.trainer
         self.sizes = np.asarray(data.train_sizes)
@@ -158,6 +181,10 @@ class RoundRunner:
 
         self._local = _LocalCalls(counted, self.engine, self.trainer, algo.client_start, self.sizes,
                                   ("client_start", "train"))
+        final = getattr(algo, "client_final", None)
+        vfinal = jax.vmap(final, in_axes=(None, None, 0, 0, None)) if final is not None else None
+        self._final_one = counted("client_final", final) if final is not None else None
+        self._final_all = counted("client_final_vmap", vfinal) if final is not None else None
         self._server = counted("server_update", algo.server_update)
         self._stack = jax.jit(lambda xs: tree_stack(xs, axis=0 if reps is None else 1))
         local = self._local
@@ -168,6 +195,8 @@ class RoundRunner:
             if client_sharding is not None and selected.shape[0] % self.mesh.size == 0:
                 ls = jax.lax.with_sharding_constraint(ls, client_sharding)
             ls = local.vrun(ls, algo.context(state), data.train_idx[selected], data, local.max_steps)
+            if vfinal is not None:
+                ls = vfinal(state, data, selected, ls, round_key)
             return algo.server_update(state, data, selected, ls, round_key)
         self._fused = counted("round", fused)
 
@@ -181,6 +210,31 @@ class RoundRunner:
             return evaluation.score(model, test_feats, data.labels[data.test_flat], data.test_client,
                                     heads, global_head, data.num_clients)
         self._score = counted("score", scored)
+
+        if self.per_client:
+            c = owner_chunk or min(eval_chunk, 256)
+            idx, slot_owner, chunk_owner = evaluation.owner_chunks(
+                data.test_flat, data.test_client, data.num_clients, c)
+            self._owned = (jnp.asarray(chunk_owner), jnp.asarray(idx), jnp.asarray(slot_owner))
+            self._eval_models = counted("eval_models", algo.eval_models)
+            self._owned_chunk = counted(
+                "owned_features_chunk",
+                lambda b, d, owners, rows, g: evaluation.owned_features_of(model, b, d, owners[g], rows[g]))
+            self._owned_scan = counted(
+                "owned_features_scan", functools.partial(evaluation.owned_features, model))
+            extra = getattr(algo, "eval_extra_heads", None)
+
+            def scored_owned(state, data, feats, idx, slot_owner):
+                _, heads, _ = algo.eval_models(state)
+                return evaluation.score(model, feats, data.labels[idx.reshape(-1)], slot_owner, heads,
+                                        None, data.num_clients, extra(state) if extra else None)
+
+            def scored_global(state, data, feats):
+                head = algo.eval_models(state)[2]["head"]
+                return evaluation.score(model, feats, data.labels[data.test_flat], data.test_client,
+                                        None, head, data.num_clients)
+            self._score_owned = counted("score_owned", scored_owned)
+            self._score_global = counted("score_global", scored_global)
 
         if ea_steps > 0:
             from pfedkdh_jax.pfedkdh import head_trainer  # shared head-only SGD
@@ -242,8 +296,15 @@ class RoundRunner:
         ctx = self.algo.context(state)
         if e.client_parallel == "vmap":
             ls = self._local.run_all(state, ctx, data, selected, round_key)
+            if self._final_all is not None:
+                ls = self._final_all(state, data, sel, ls, round_key)
         else:
-            ls = self._stack([f for _, f in self._local.run_each(state, ctx, data, selected, round_key)])
+            finals = []
+            for k, ls in self._local.run_each(state, ctx, data, selected, round_key):
+                if self._final_one is not None:
+                    ls = self._final_one(state, data, jnp.asarray(k, jnp.int32), ls, round_key)
+                finals.append(ls)
+            ls = self._stack(finals)
         return self._server(state, data, sel, ls, round_key)
 
     def _client_sharding(self, data: FederatedData):
@@ -266,8 +327,11 @@ class RoundRunner:
         """Fair (and, if ``ea``, head-adapted) accuracies of all K clients, as device values.
 
         For an algorithm with a fine-tuning hook the ``personalized_*`` values are those of the
-        clients' fine-tuned models (see the module docstring).
+        clients' fine-tuned models; for one with per-client backbones every test sample is scored
+        with its owner's whole model (see the module docstring).
         """
+        if self.per_client:
+            return self._evaluate_owned(state, data)
         backbone = self.algo.eval_models(state)[0]
         test_feats = self.features(backbone, data, data.test_flat)
         metrics = self._score(state, data, test_feats)
@@ -294,3 +358,18 @@ class RoundRunner:
             correct.append(c)
             count.append(n)
         return self._ft_metrics(correct, count)
+
+    def _evaluate_owned(self, state, data: FederatedData) -> dict:
+        """Every test sample scored with its owner's whole model (and the global model, if any)."""
+        backbones, _, global_model = self._eval_models(state)
+        owners, idx, slot_owner = self._owned
+        if self.engine.step_loop == "scan":
+            feats = self._owned_scan(backbones, data, owners, idx)
+        else:
+            feats = jnp.concatenate([self._owned_chunk(backbones, data, owners, idx, jnp.int32(g))
+                                     for g in range(idx.shape[0])])
+        metrics = self._score_owned(state, data, feats, idx, slot_owner)
+        if global_model is not None:
+            feats = self.features(global_model["backbone"], data, data.test_flat)
+            metrics.update(self._score_global(state, data, feats))
+        return metrics
