@@ -10,6 +10,8 @@ It is a coordinate sweep around a base point (one value changed at a time), beca
 model. Results: experiments/sweep_hparams.json and the table printed (copied to experiments/SWEEP.md).
 
     python experiments/sweep_hparams.py --data-dir ../shared/data/tfds --rounds 8
+    python experiments/sweep_hparams.py --data-dir ../shared/data/tfds --grid lambda --rounds 16 \
+        --out experiments/sweep_lambda.json
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ from pfedkdh_jax.rounds import RoundRunner
 from pfedkdh_jax.experiment import run
 
 BASE = dict(lam=0.5, temperature=2.0, mu=0.001, dropout=0.0)
-VARIANTS = [{}, dict(lam=0.0), dict(lam=0.2), dict(lam=0.8), dict(temperature=1.0),
-            dict(temperature=4.0), dict(mu=0.0), dict(mu=0.01), dict(dropout=0.25)]
+GRIDS = {
+    # stage 1: one value changed at a time around BASE (8 rounds)
+    "coordinate": [{}, dict(lam=0.0), dict(lam=0.2), dict(lam=0.8), dict(temperature=1.0),
+                   dict(temperature=4.0), dict(mu=0.0), dict(mu=0.01), dict(dropout=0.25)],
+    # stage 2: the distillation weight over a longer horizon, at stage 1's best T (16 rounds)
+    "lambda": [dict(lam=0.0, temperature=4.0, mu=0.01), dict(lam=0.2, temperature=4.0, mu=0.01),
+               dict(lam=0.5, temperature=4.0, mu=0.01)],
+}
 EA_GRID = (0, 5, 10, 20, 40)
 
 
@@ -38,15 +46,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "sweep_hparams.json"))
     ap.add_argument("--runs-dir", default="runs/sweep")
+    ap.add_argument("--grid", default="coordinate", choices=sorted(GRIDS))
     args = ap.parse_args()
 
     results = []
-    for variant in VARIANTS:
+    for variant in GRIDS[args.grid]:
         hp = {**BASE, **variant}
         name = ",".join(f"{k}={v}" for k, v in variant.items()) or "base"
         cfg = make_config("paper", dataset=args.dataset, data_dir=args.data_dir, alpha=0.1,
                           rounds=args.rounds, validation_fraction=0.2, ea_steps=0,
-                          out=os.path.join(args.runs_dir, name.replace("=", "")), **hp)
+                          out=os.path.join(args.runs_dir, args.grid, name.replace("=", "").replace(",", "-")),
+                          checkpoint_every=0, **hp)
         t0 = time.time()
         summary, state, data, algo, runner = run(cfg, progress=False, log=lambda *_: None, return_state=True)
         row = {"variant": name, **hp, "val_fair": summary["personalized_macro_accuracy"],
@@ -59,7 +69,7 @@ def main() -> None:
         results.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
-            json.dump({"protocol": {"dataset": args.dataset, "alpha": 0.1, "rounds": args.rounds,
+            json.dump({"protocol": {"grid": args.grid, "dataset": args.dataset, "alpha": 0.1, "rounds": args.rounds,
                                     "validation_fraction": 0.2, "preset": "paper", "base": BASE},
                        "results": results}, f, indent=2)
     cols = ["variant", "val_fair", "val_global"] + [f"val_ea{s}" for s in EA_GRID[1:]]
