@@ -51,15 +51,15 @@ class RunConfig:
     reps: int = 1                      # Monte Carlo repetitions, seeds seed, seed+1, ...
     reps_mode: str = "auto"            # vmap (one program) | sequential | auto (sequential on CPU)
     # --- pFedKDH (defaults from experiments/sweep_hparams.py, scored on validation data)
-    lam: float = 0.5                   # λ, distillation weight
-    temperature: float = 2.0           # T
-    mu: float = 0.001                  # μ, proximal weight
+    lam: float = 0.0                   # λ, distillation weight (validation sweep: 0 scored best; see SWEEP.md)
+    temperature: float = 4.0           # T
+    mu: float = 0.01                   # μ, proximal weight
     dropout: float = 0.0               # backbone dropout rate
     teacher_epochs: int = 3            # teacher-head refit epochs over D_s after each aggregation
     teacher_warm_start: bool = True    # refit from current φ_g (False: from φ_g⁰)
     teacher_refit_at_start: bool = False  # refit φ_g on D_s once before round 0
     warmup_epochs: int = 0             # E_w: train θ_g, φ_g on D_s before round 0 (0 = off, as the paper)
-    ea_steps: int = 10                 # pFedKDH-EA head-only steps (0 = no EA evaluation)
+    ea_steps: int = 20                 # pFedKDH-EA head-only steps (0 = no EA evaluation)
     # --- evaluation
     eval_every: int = 1                # Fair evaluation of all clients every N rounds (and the last)
     ea_every: int = 10                 # EA evaluation every N rounds (and the last)

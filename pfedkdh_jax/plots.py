@@ -15,10 +15,13 @@ CURVES = (("personalized_macro_accuracy", "personalized (Fair), macro"),
 def plot_curves(history: list[dict], path: str, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     for key, label in CURVES:
-        pts = [(r["round"], 100 * r[key]) for r in history if key in r]
+        pts = [(r["round"], 100 * r[key], 100 * r.get(f"{key}_std", 0.0)) for r in history if key in r]
         if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o" if len(pts) < 25 else None, ms=3, label=label)
+            xs, ys, sd = zip(*pts)
+            line, = ax.plot(xs, ys, marker="o" if len(pts) < 25 else None, ms=3, label=label)
+            if any(sd):  # repetitions: mean ± std band
+                ax.fill_between(xs, [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)],
+                                color=line.get_color(), alpha=0.2)
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy (%)")
     ax.set_title(title)
