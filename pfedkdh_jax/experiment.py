@@ -190,7 +190,9 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
         log(f"note: {cfg.method} has pieces without a repetition axis; its repetitions run one after "
             "another (same numbers)")
         batched = False
-    mesh = jax.make_mesh((jax.device_count(),), ("devices",)) if jax.device_count() > 1 else None
+    # Auto axes: XLA's sharding propagation places everything from the inputs' shardings.
+    mesh = (jax.make_mesh((jax.device_count(),), ("devices",), axis_types=(jax.sharding.AxisType.Auto,))
+            if jax.device_count() > 1 else None)
     if mesh is not None:
         data = jax.device_put(data, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
@@ -206,9 +208,7 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
         if batched:
             keys = {name: jnp.stack([k[name] for k in ks]) for name in ks[0]}
             state = tree_stack(st)
-            if mesh is not None and len(members) % mesh.size == 0:
-                state = jax.device_put(state, jax.sharding.NamedSharding(
-                    mesh, jax.sharding.PartitionSpec("devices")))
+            state = runner.place(state)
             groups.append(_Group(members, runner, np.stack(sched), keys, True))
         else:
             state = st[0]

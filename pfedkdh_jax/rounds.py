@@ -92,8 +92,10 @@ class _LocalCalls:
     ``names`` = (start name, run name) as counted in ``RoundRunner.traces``.
     """
 
-    def __init__(self, counted, engine: EngineConfig, trainer, start, sizes: np.ndarray, names):
+    def __init__(self, counted, engine: EngineConfig, trainer, start, sizes: np.ndarray, names,
+                 place=lambda x: x):
         start_name, run_name = names
+        self.place = place
         self.engine = engine
         self.trainer = trainer
         self.sizes = sizes
@@ -125,8 +127,8 @@ class _LocalCalls:
     def run_all(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array):
         """Local states of ``clients`` (host ints) after local training, stacked ``[C, ...]``
         (vmap layout)."""
-        sel = jnp.asarray(clients, jnp.int32)
-        ls = self.start_all(state, data, sel, key)
+        sel = self.place(jnp.asarray(clients, jnp.int32))
+        ls = self.start_all(state, data, sel, self.place(key))
         rows = data.train_idx[sel]
         for _ in range(self.calls(clients)):
             ls = self.train_all(ls, ctx, rows, data)
@@ -138,8 +140,9 @@ class _LocalCalls:
         clients = np.asarray(clients)
         for c in range(clients.shape[-1]):
             k = clients[..., c]  # one client, or one per repetition ([R])
-            ls = self.start_one(state, data, jnp.asarray(k, jnp.int32), key)
-            row = data.train_idx[jnp.asarray(k)]
+            kk = self.place(jnp.asarray(k, jnp.int32))
+            ls = self.start_one(state, data, kk, self.place(key))
+            row = data.train_idx[kk]
             for _ in range(self.calls(np.ravel(k))):
                 ls = self.train_one(ls, ctx, row, data)
             yield k, ls
@@ -155,6 +158,10 @@ class RoundRunner:
         self.algo = algo
         self.reps = reps
         self.mesh = mesh
+        # the repetition axis is sharded over the mesh when it divides evenly
+        self.rep_sharding = (
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(mesh.axis_names[0]))
+            if mesh is not None and reps and mesh.size > 1 and reps % mesh.size == 0 else None)
         self.per_client = bool(getattr(algo, "per_client_backbone", False))
         if self.per_client:
             ea_steps = 0  # EA adapts heads over shared-backbone features
@@ -180,7 +187,7 @@ class RoundRunner:
             return jax.jit(wrapper)
 
         self._local = _LocalCalls(counted, self.engine, self.trainer, algo.client_start, self.sizes,
-                                  ("client_start", "train"))
+                                  ("client_start", "train"), place=self.place)
         final = getattr(algo, "client_final", None)
         vfinal = jax.vmap(final, in_axes=(None, None, 0, 0, None)) if final is not None else None
         self._final_one = counted("client_final", final) if final is not None else None
@@ -290,7 +297,8 @@ class RoundRunner:
         repetitions; ``round_key`` then ``[R]``). Returns device values without synchronising."""
         e = self.engine
         selected = np.asarray(selected)
-        sel = jnp.asarray(selected, jnp.int32)
+        sel = self.place(jnp.asarray(selected, jnp.int32))
+        round_key = self.place(round_key)
         if e.client_parallel == "vmap" and e.step_loop == "scan":
             return self._fused(state, data, sel, round_key)
         ctx = self.algo.context(state)
@@ -306,6 +314,10 @@ class RoundRunner:
                 finals.append(ls)
             ls = self._stack(finals)
         return self._server(state, data, sel, ls, round_key)
+
+    def place(self, tree):
+        """Put a repetition-batched value (state, keys, selections) on the repetition sharding."""
+        return tree if self.rep_sharding is None else jax.device_put(tree, self.rep_sharding)
 
     def _client_sharding(self, data: FederatedData):
         """Sharding of the stacked selected clients over the mesh, when the repetition axis is not
@@ -332,6 +344,7 @@ class RoundRunner:
         """
         if self.per_client:
             return self._evaluate_owned(state, data)
+        key = self.place(key)
         backbone = self.algo.eval_models(state)[0]
         test_feats = self.features(backbone, data, data.test_flat)
         metrics = self._score(state, data, test_feats)
