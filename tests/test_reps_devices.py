@@ -75,31 +75,31 @@ import jax
 from pfedkdh_jax.config import make_config
 from pfedkdh_jax.experiment import run
 cfg = make_config("smoke", out=sys.argv[1], reps=int(sys.argv[2]), reps_mode="vmap", num_clients=4,
-                  rounds=2, local_epochs=1, ea_steps=2, client_parallel="vmap", step_loop="scan",
-                  checkpoint_every=0)
+                  rounds=2, local_epochs=1, ea_steps=2, client_parallel=sys.argv[3], step_loop=sys.argv[4],
+                  chunk_steps=4, checkpoint_every=0)
 s = run(cfg, progress=False, log=lambda *_: None)
 print(json.dumps({"devices": jax.device_count(), "summary": s}))
 """
 
 
-def _run_on_devices(n, out, reps):
+def _run_on_devices(n, out, reps, layout):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
-    p = subprocess.run([sys.executable, "-c", SCRIPT, str(out), str(reps)],
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(out), str(reps), *layout],
                        capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("devices, reps", [(8, 8), (2, 1)])
-def test_sharded_over_fake_devices_matches_one_device(tmp_path, devices, reps):
-    """reps=8 on 8 devices shards the repetition axis; reps=1 on 2 devices shards the 2 clients of the
-    fused round."""
-    one = _run_on_devices(1, tmp_path / "one", reps)
-    many = _run_on_devices(devices, tmp_path / "many", reps)
+@pytest.mark.parametrize("devices, reps, layout", [(8, 8, ("sequential", "unrolled")), (2, 1, ("vmap", "scan"))])
+def test_sharded_over_fake_devices_matches_one_device(tmp_path, devices, reps, layout):
+    """reps=8 on 8 devices shards the repetition axis (CPU layout); reps=1 on 2 devices shards the 2
+    clients of the fused round (vmap + scan)."""
+    one = _run_on_devices(1, tmp_path / "one", reps, layout)
+    many = _run_on_devices(devices, tmp_path / "many", reps, layout)
     assert (one["devices"], many["devices"]) == (1, devices)
     for key in ["personalized_macro_accuracy", "global_macro_accuracy", "personalized_macro_accuracy_ea",
                 "final_train_loss"]:
         assert many["summary"][key] == pytest.approx(one["summary"][key], abs=1e-5)
-    # the whole round is one compiled call, traced once, on any number of devices
-    assert many["summary"]["traces"]["round"] == 1
+    # every compiled piece is traced once per shape, on any number of devices
     assert many["summary"]["traces"] == one["summary"]["traces"]
+    assert all(v <= 2 for v in many["summary"]["traces"].values())  # features: test and train shapes
