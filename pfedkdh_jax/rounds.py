@@ -299,6 +299,7 @@ class RoundRunner:
         selected = np.asarray(selected)
         sel = self.place(jnp.asarray(selected, jnp.int32))
         round_key = self.place(round_key)
+        state = self._pin(state)
         if e.client_parallel == "vmap" and e.step_loop == "scan":
             return self._fused(state, data, sel, round_key)
         ctx = self.algo.context(state)
@@ -314,6 +315,13 @@ class RoundRunner:
                 finals.append(ls)
             ls = self._stack(finals)
         return self._server(state, data, sel, ls, round_key)
+
+    def _pin(self, state):
+        """On a mesh without a sharded repetition axis, keep the state replicated, so every round
+        sees the same input sharding (and nothing recompiles after the first)."""
+        if self.mesh is None or self.rep_sharding is not None or self.mesh.size == 1:
+            return state
+        return jax.device_put(state, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
     def place(self, tree):
         """Put a repetition-batched value (state, keys, selections) on the repetition sharding."""

@@ -90,9 +90,9 @@ def _run_on_devices(n, out, reps, layout):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("devices, reps, layout", [(8, 8, ("sequential", "unrolled")), (2, 1, ("vmap", "scan"))])
+@pytest.mark.parametrize("devices, reps, layout", [(2, 2, ("sequential", "unrolled")), (2, 1, ("vmap", "scan"))])
 def test_sharded_over_fake_devices_matches_one_device(tmp_path, devices, reps, layout):
-    """reps=8 on 8 devices shards the repetition axis (CPU layout); reps=1 on 2 devices shards the 2
+    """reps=2 on 2 devices shards the repetition axis (CPU layout); reps=1 on 2 devices shards the 2
     clients of the fused round (vmap + scan)."""
     one = _run_on_devices(1, tmp_path / "one", reps, layout)
     many = _run_on_devices(devices, tmp_path / "many", reps, layout)
