@@ -159,3 +159,10 @@ def sgd_trainer(loss_fn, tx: optax.GradientTransformation, config: LocalConfig,
 def local_config(cfg) -> LocalConfig:
     """The shared budget from a :class:`~pfedkdh_jax.config.RunConfig`."""
     return LocalConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs)
+
+
+def start_from_global(trainer: LocalTrainer, state, data: FederatedData, client: jax.Array,
+                      round_key: jax.Array) -> LocalState:
+    """Local state of ``client`` starting from the shared full model (θ_g, φ_g) of ``state``."""
+    params = {"backbone": state.backbone, "head": state.head}
+    return trainer.init(params, jax.random.fold_in(round_key, client), data.train_n[client], data.max_train)

@@ -93,9 +93,7 @@ class FedBABU:
     def client_start(self, state: C.SharedModelState, data: FederatedData, client: jax.Array,
                      round_key: jax.Array) -> LocalState:
         """Client ``client`` starts from (θ_g, φ⁰)."""
-        params = {"backbone": state.backbone, "head": state.head}
-        return self.trainer.init(params, jax.random.fold_in(round_key, client),
-                                 data.train_n[client], data.max_train)
+        return C.start_from_global(self.trainer, state, data, client, round_key)
 
     # ------------------------------------------------------------------------------ server side
     def server_update(self, state: C.SharedModelState, data: FederatedData, selected: jax.Array,
