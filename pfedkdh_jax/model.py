@@ -17,6 +17,21 @@ Params = Any
 FEATURE_DIM = 512
 
 
+def max_pool_2x2(x: jax.Array) -> jax.Array:
+    """2×2 max-pooling with stride 2 (odd trailing rows/columns dropped, as ``nn.max_pool``).
+
+    Written as a reshape and a ``max`` reduction instead of ``nn.max_pool``: same values, but the
+    gradient is a compare-and-mask rather than XLA's ``select_and_scatter``, which on XLA:CPU made a
+    whole training step about twice as slow (BENCHMARKS.md, "Pooling"). The gradients differ only
+    where two entries of a window tie at a positive maximum (the reduction splits the gradient
+    between them, ``select_and_scatter`` gives it to one). The backbone pools before the ReLU
+    (the two commute), so a window of negative pre-activations passes no gradient either way.
+    """
+    *lead, h, w, c = x.shape
+    x = x[..., : h // 2 * 2, : w // 2 * 2, :]
+    return x.reshape(*lead, h // 2, 2, w // 2, 2, c).max(axis=(-4, -2))
+
+
 class Backbone(nn.Module):
     """Conv 5×5·32 → ReLU → MaxPool 2 → Conv 5×5·64 → ReLU → MaxPool 2 → Dropout → Dense 512 → ReLU."""
 
@@ -25,9 +40,9 @@ class Backbone(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         x = nn.Conv(32, (5, 5), padding="VALID", name="conv1")(x)
-        x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+        x = nn.relu(max_pool_2x2(x))
         x = nn.Conv(64, (5, 5), padding="VALID", name="conv2")(x)
-        x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+        x = nn.relu(max_pool_2x2(x))
         x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
         x = x.reshape(x.shape[:-3] + (-1,))
         return nn.relu(nn.Dense(FEATURE_DIM, name="fc")(x))

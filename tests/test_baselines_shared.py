@@ -11,6 +11,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from pfedkdh_jax import cli, evaluation, methods
@@ -233,29 +234,48 @@ def test_fedrep_trains_the_head_then_the_body(tiny):
     _, _, data = tiny
     algo = make_algo("fedrep", data, head_epochs=2)               # E = 1 body epoch
     state = algo.init(jax.random.key(0), data)
-    # the head/body boundary is per client, written into the optimizer state by client_start
-    ls_all = jax.jit(jax.vmap(algo.client_start, in_axes=(None, None, 0, None)))(
-        state, data, jnp.arange(data.num_clients), jax.random.key(1))
-    spe = -(-np.asarray(data.train_sizes) // LC["batch_size"])
-    np.testing.assert_array_equal(ls_all.opt_state.switch_at, 2 * spe)
-    np.testing.assert_array_equal(algo.trainer.num_steps(data.train_n), 3 * spe)
+    k, round_key = 1, jax.random.key(1)
+    spe = -(-int(data.train_sizes[k]) // LC["batch_size"])
+    head0 = client(state.heads, k)
+    ls = jax.jit(algo.client_start)(state, data, jnp.int32(k), round_key)
 
-    k = 1
-    head_steps, total = 2 * int(spe[k]), 3 * int(spe[k])
+    # head epochs (in client_start, on cached features): the body is untouched, and the head equals
+    # head-only SGD of the whole model on the images, batch for batch
+    assert leaves_equal(ls.params["backbone"], state.backbone)
+    assert not leaves_equal(ls.params["head"], head0)
+    ref_trainer = C.sgd_trainer(C.cross_entropy_loss(algo.model), C.head_only(optax.sgd(LC["lr"])),
+                                algo.config, epochs=2)
+    key = jax.random.fold_in(jax.random.fold_in(round_key, k), fedrep.HEAD_PHASE_STREAM)
+    ref = ref_trainer.init({"backbone": state.backbone, "head": head0}, key, data.train_n[k],
+                           data.max_train)
+    ref_step = stepper(ref_trainer)
+    for _ in range(2 * spe):
+        ref = ref_step(ref, data.train_idx[k], data)
+    assert leaves_equal(ref.params["backbone"], state.backbone)
+    assert_tree_close(ls.params["head"], ref.params["head"], rtol=1e-5, atol=1e-6)
+
+    # representation epochs (the engine's trainer): the head is frozen, the body moves
+    np.testing.assert_array_equal(algo.trainer.num_steps(data.train_n),
+                                  -(-np.asarray(data.train_sizes) // LC["batch_size"]))
     step = stepper(algo.trainer)
-    ls = jax.jit(algo.client_start)(state, data, jnp.int32(k), jax.random.key(1))
-    for i in range(total + 2):
+    for i in range(spe + 2):
         new = step(ls, data.train_idx[k], data)
         same_body = leaves_equal(new.params["backbone"], ls.params["backbone"])
         same_head = leaves_equal(new.params["head"], ls.params["head"])
-        if i < head_steps:
-            assert same_body and not same_head, i                 # head epochs: body frozen
-        elif i < total:
+        if i < spe:
             assert same_head and not same_body, i                 # body epochs: head frozen
         else:
             assert same_head and same_body, i                     # past the client's steps: no-op
         ls = new
-    assert int(ls.step) == total and int(ls.opt_state.count) == total
+    assert int(ls.step) == spe
+
+
+def test_fedrep_without_head_epochs_is_fedper_with_a_frozen_head(tiny):
+    _, _, data = tiny
+    algo = make_algo("fedrep", data, head_epochs=0)
+    state = algo.init(jax.random.key(0), data)
+    ls = jax.jit(algo.client_start)(state, data, jnp.int32(2), jax.random.key(1))
+    assert leaves_equal(ls.params["head"], client(state.heads, 2))
 
 
 def test_fedrep_phases_are_the_same_in_the_fused_form(tiny, trained):

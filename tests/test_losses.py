@@ -88,3 +88,23 @@ def test_model_shapes_and_parameter_count():
     a = model.features(params["backbone"], jnp.ones((2, 28, 28, 1)), rng=jax.random.key(1))
     b = model.features(params["backbone"], jnp.ones((2, 28, 28, 1)))
     assert not np.allclose(a, b)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 8, 3), (1, 7, 9, 2), (3, 2, 4, 6, 5)])
+def test_reshape_max_pool_matches_flax_max_pool(shape):
+    import flax.linen as nn
+
+    from pfedkdh_jax.model import max_pool_2x2
+
+    # Continuous random values: no ties inside a window, so the gradients agree too.
+    x = jax.random.normal(jax.random.key(0), shape)
+    ours = max_pool_2x2(x)
+    ref = nn.max_pool(x, (2, 2), strides=(2, 2))
+    assert ours.shape == ref.shape
+    np.testing.assert_array_equal(ours, ref)
+    w = jax.random.normal(jax.random.key(1), ref.shape)
+    g_ours = jax.grad(lambda v: jnp.sum(max_pool_2x2(v) * w))(x)
+    g_ref = jax.grad(lambda v: jnp.sum(nn.max_pool(v, (2, 2), strides=(2, 2)) * w))(x)
+    np.testing.assert_array_equal(g_ours, g_ref)
+    # each window passes its gradient to exactly one entry
+    assert int(jnp.sum(g_ours != 0)) == ref.size

@@ -26,7 +26,7 @@ _EXPORTS = {
     "LocalConfig": "_common", "SharedModelState": "_common", "PersonalHeadsState": "_common",
     "Ditto": "ditto", "DittoConfig": "ditto", "PFedMe": "pfedme", "PFedMeConfig": "pfedme",
     "FedProto": "fedproto", "FedProtoConfig": "fedproto", "FedALA": "fedala", "FedALAConfig": "fedala",
-    "phased": "_common", "with_switch": "_common", "head_only": "_common", "body_only": "_common",
+    "head_only": "_common", "body_only": "_common",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -12,7 +12,7 @@ the two parts by these names with :func:`optax.multi_transform`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.struct as struct
 import jax
@@ -107,45 +107,6 @@ def head_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 def body_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """``tx`` on the backbone; the head receives exactly zero updates (it stays bit-identical)."""
     return by_part(tx, optax.set_to_zero())
-
-
-class PhasedState(NamedTuple):
-    count: jax.Array        # int32 [], updates taken so far
-    switch_at: jax.Array    # int32 [], the first update that ``second`` makes
-    first: optax.OptState   # state of ``first`` (frozen once the switch is passed)
-    second: optax.OptState  # state of ``second`` (frozen before the switch)
-
-
-def phased(first: optax.GradientTransformation,
-           second: optax.GradientTransformation) -> optax.GradientTransformation:
-    """Updates ``0 .. switch_at − 1`` by ``first``, the rest by ``second``; separate states.
-
-    ``switch_at`` lives in the state (``PhasedState.switch_at``; 0 after ``init``, i.e. everything by
-    ``second``) so that it can differ per client without retracing: set it with :func:`with_switch`
-    after ``init``. Each phase's optimizer state only advances during its own phase.
-    """
-    def init_fn(params):
-        zero = jnp.zeros((), jnp.int32)
-        return PhasedState(count=zero, switch_at=zero, first=first.init(params), second=second.init(params))
-
-    def update_fn(updates, state, params=None):
-        in_first = state.count < state.switch_at
-
-        def pick(a, b):
-            return jax.tree_util.tree_map(lambda x, y: jnp.where(in_first, x, y), a, b)
-
-        u1, s1 = first.update(updates, state.first, params)
-        u2, s2 = second.update(updates, state.second, params)
-        new_state = PhasedState(count=state.count + 1, switch_at=state.switch_at,
-                                first=pick(s1, state.first), second=pick(state.second, s2))
-        return pick(u1, u2), new_state
-
-    return optax.GradientTransformation(init_fn, update_fn)
-
-
-def with_switch(opt_state: PhasedState, switch_at: jax.Array) -> PhasedState:
-    """``opt_state`` of :func:`phased` with its phase boundary set to ``switch_at`` updates."""
-    return opt_state._replace(switch_at=jnp.asarray(switch_at, jnp.int32))
 
 
 def sgd_trainer(loss_fn, tx: optax.GradientTransformation, config: LocalConfig,
