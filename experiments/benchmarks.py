@@ -7,7 +7,13 @@ Sections (each can be run alone with --only):
           floor of a paper-preset MNIST round next to the measured round time (from --run-dir);
   reps    1, 2, 5 repetitions in one vmapped program vs one after another;
   devices 1, 2, 4, 8 fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N): equal
-          numbers, and time (no speed-up is expected on one CPU).
+          numbers, and time (no speed-up is expected on one CPU);
+  memory  peak memory of each client-parallel layout, one fresh process per layout (process peak RSS
+          on CPU; the allocator's peak bytes on a GPU/TPU);
+  pooling samples/s of fwd+bwd steps of the backbone with flax's ``nn.max_pool`` and with the
+          reshape + max pooling the model uses;
+  methods accuracy and round times of pFedKDH and every baseline, read from finished MNIST
+          paper-preset runs (``--runs-glob``; the runs themselves are listed in BENCHMARKS.md).
 
 Run with nothing else busy on the machine:
 
@@ -88,6 +94,43 @@ def bench_forms(clients=4, steps=16, repeats=3) -> str:
             med = statistics.median(times)
             lines.append(f"| {name} | {cp} | {sl} | {chunk or '–'} | {samples / med:.0f} | "
                          f"{med:.2f} ({min(times):.2f}–{max(times):.2f}) | {first:.1f} s |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def bench_pooling(steps=8, repeats=10, batch=64) -> str:
+    """The model's training step with flax's max_pool vs the reshape + max form (same values)."""
+    import flax.linen as nn
+    import optax
+
+    from pfedkdh_jax.model import Backbone, Head, max_pool_2x2
+    pools = {"flax nn.max_pool (select_and_scatter gradient)": lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)),
+             "reshape + max (the model's)": max_pool_2x2}
+    lines = ["| input | pooling | samples/s (fwd+bwd+SGD, batch 64) |", "|---|---|---|"]
+    for name, shape in SHAPES.items():
+        x = jax.random.normal(jax.random.key(1), (batch, *shape))
+        y = jnp.arange(batch) % 10
+        for label, pool in pools.items():
+            body, head = Backbone(pool=pool), Head(10)
+            params = {"b": body.init(jax.random.key(0), x[:1])["params"],
+                      "h": head.init(jax.random.key(0), jnp.zeros((1, 512)))["params"]}
+
+            def loss(p, body=body, head=head):
+                logits = head.apply({"params": p["h"]}, body.apply({"params": p["b"]}, x))
+                return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+            @jax.jit
+            def chunk(p, loss=loss):
+                for _ in range(steps):
+                    p = jax.tree_util.tree_map(lambda a, g: a - 0.01 * g, p, jax.grad(loss)(p))
+                return p
+            jax.block_until_ready(chunk(params))
+            t0 = time.perf_counter()
+            p = params
+            for _ in range(repeats):
+                p = chunk(p)
+            jax.block_until_ready(p)
+            lines.append(f"| {name} | {label} | {repeats * steps * batch / (time.perf_counter() - t0):.0f} |")
             print(lines[-1], flush=True)
     return "\n".join(lines)
 
@@ -217,10 +260,96 @@ def bench_devices(tmp="runs/bench-devices") -> str:
     return "\n".join(lines)
 
 
+MEMORY_SCRIPT = r"""
+import json, resource, sys
+import jax
+import numpy as np
+sys.path.insert(0, "experiments")
+from benchmarks import SHAPES, algo_for, synthetic
+from pfedkdh_jax.engine import EngineConfig
+from pfedkdh_jax.rounds import RoundRunner
+
+shape, cp, sl = SHAPES[sys.argv[1]], sys.argv[2], sys.argv[3]
+data = synthetic(shape, 4, 16)
+algo = algo_for(shape)
+state = algo.init(jax.random.key(0), data)
+jax.block_until_ready(state)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+runner = RoundRunner(algo, data, EngineConfig(cp, sl, 8))
+for r in range(1):
+    state, _ = runner.round(state, data, np.arange(4), jax.random.key(r))
+    jax.block_until_ready(state)
+stats = jax.devices()[0].memory_stats() or {}
+print(json.dumps({"rss_before": before, "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "device_peak": stats.get("peak_bytes_in_use")}))
+"""
+
+
+def bench_memory() -> str:
+    """Peak memory of each layout, each in a fresh process (peaks never go down within one)."""
+    lines = ["| input | clients | step loop | process peak RSS | of which after set-up | device peak bytes |",
+             "|---|---|---|---|---|---|"]
+    for name in SHAPES:
+        for cp, sl in [("sequential", "unrolled"), ("vmap", "unrolled"), ("sequential", "scan"), ("vmap", "scan")]:
+            p = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, name, cp, sl], capture_output=True, text=True,
+                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            if p.returncode:
+                lines.append(f"| {name} | {cp} | {sl} | failed: {p.stderr.strip().splitlines()[-1][:80]} | | |")
+            else:
+                r = json.loads(p.stdout.strip().splitlines()[-1])
+                dev = "–" if r["device_peak"] is None else f"{r['device_peak'] / 2**20:.0f} MiB"
+                lines.append(f"| {name} | {cp} | {sl} | {r['rss_peak'] / 2**20:.0f} MiB | "
+                             f"+{(r['rss_peak'] - r['rss_before']) / 2**20:.0f} MiB | {dev} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+# paper figures (method.md §5, MNIST α = 0.1; mean ± std) and the metric each method is scored by
+PAPER = {"pfedkdh": (99.12, 0.09), "fedavg": (94.43, 2.01), "fedprox": (94.46, 1.96), "ditto": (96.02, 1.45),
+         "pfedme": (98.76, 0.23), "fedper": (98.61, 0.13), "fedrep": (96.69, 1.89), "fedbabu": (98.49, 0.25),
+         "fedproto": (97.98, 0.75), "fedala": (99.05, 0.25)}
+GLOBAL_SCORED = ("fedavg", "fedprox")
+
+
+def bench_methods(pattern: str) -> str:
+    """One row per finished run directory matching ``pattern``: final accuracy against the paper,
+    and round times (median and min–max over the rounds after the first)."""
+    import glob
+    lines = ["| method | scored by | final macro acc. | paper (mean ± std) | gap in σ | s/round median (min–max) | "
+             "first round | eval s (median) | samples/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for run_dir in sorted(glob.glob(pattern)):
+        try:
+            with open(os.path.join(run_dir, "summary.json")) as fh:
+                s = json.load(fh)
+            with open(os.path.join(run_dir, "config.json")) as fh:
+                cfg = json.load(fh)
+            with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+                rows = [json.loads(line) for line in fh]
+        except (OSError, ValueError):
+            continue  # not finished
+        method = cfg["method"]
+        key = "global_macro_accuracy" if method in GLOBAL_SCORED else "personalized_macro_accuracy"
+        acc = 100 * rows[-1][key]
+        times = [r["train_seconds"] for r in rows[1:]]
+        if len(times) < 5:
+            continue
+        sizes = np.asarray(s["partition"]["train_sizes"])
+        visited = statistics.mean(cfg["local_epochs"] * int(sizes[r["clients"]].sum()) for r in rows[1:])
+        evals = [r["eval_seconds"] for r in rows if r.get("eval_seconds")]
+        paper, sd = PAPER.get(method, (float("nan"), float("nan")))
+        med = statistics.median(times)
+        lines.append(f"| {method} | {key.split('_')[0]} | {acc:.2f} % | {paper:.2f} ± {sd:.2f} | "
+                     f"{(acc - paper) / sd:+.1f} | {med:.1f} ({min(times):.1f}–{max(times):.1f}) | "
+                     f"{rows[0]['train_seconds']:.1f} s | {statistics.median(evals):.2f} | {visited / med:.0f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="forms,floor,reps,devices")
+    ap.add_argument("--only", default="forms,pooling,floor,reps,devices,memory,methods")
     ap.add_argument("--run-dir", default=None, help="a finished MNIST paper-preset run, for the floor section")
+    ap.add_argument("--runs-glob", default="runs/mnist-*", help="finished MNIST paper-preset runs (methods)")
     ap.add_argument("--write", default=None, help="write the tables to this markdown file")
     args = ap.parse_args()
     head = (f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}, "
@@ -230,7 +359,13 @@ def main() -> None:
     sections = {"forms": ("Client-parallel layouts (local training, 4 clients × 16 steps of 64)", bench_forms),
                 "floor": ("Compute floor", lambda: bench_floor(args.run_dir)),
                 "reps": ("Repetitions (4 clients × 8 steps of 64, CPU default layout)", bench_reps),
-                "devices": ("Fake CPU devices (digits, 8 clients, 2 repetitions, vmap + scan)", bench_devices)}
+                "devices": ("Fake CPU devices (digits, 8 clients, 2 repetitions, vmap + scan)", bench_devices),
+                "memory": ("Peak memory per layout (pFedKDH λ = 0.5, 4 clients × 16 steps of 64, 1 round)",
+                           bench_memory),
+                "pooling": ("Pooling form (the model's training step, batch 64, unrolled chunks of 8)",
+                            bench_pooling),
+                "methods": ("Methods on MNIST, α = 0.1, paper preset (one repetition, seed 0)",
+                            lambda: bench_methods(args.runs_glob))}
     for name in args.only.split(","):
         title, fn = sections[name]
         print(f"\n## {title}", flush=True)

@@ -6,7 +6,7 @@ optax's ``partition``/``masked`` and the federated algorithms can address the tw
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -36,13 +36,14 @@ class Backbone(nn.Module):
     """Conv 5×5·32 → ReLU → MaxPool 2 → Conv 5×5·64 → ReLU → MaxPool 2 → Dropout → Dense 512 → ReLU."""
 
     dropout_rate: float = 0.0
+    pool: Callable[[jax.Array], jax.Array] = max_pool_2x2  # 2×2 max-pooling (swappable for benchmarks)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         x = nn.Conv(32, (5, 5), padding="VALID", name="conv1")(x)
-        x = nn.relu(max_pool_2x2(x))
+        x = nn.relu(self.pool(x))
         x = nn.Conv(64, (5, 5), padding="VALID", name="conv2")(x)
-        x = nn.relu(max_pool_2x2(x))
+        x = nn.relu(self.pool(x))
         x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
         x = x.reshape(x.shape[:-3] + (-1,))
         return nn.relu(nn.Dense(FEATURE_DIM, name="fc")(x))
