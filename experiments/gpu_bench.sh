@@ -7,8 +7,9 @@ set -euo pipefail
 out="${OUT:-runs/gpu-bench}"
 mkdir -p "$out"
 python -c "import jax; print(jax.devices())" | tee "$out/devices.txt"
-# layouts (GPU default: vmap + scan), compute floor, repetitions in one program
-timeout 300 python experiments/benchmarks.py --only forms,floor,reps --write "$out/BENCHMARKS.gpu.md" \
+# layouts (GPU default: vmap + scan), pooling form, compute floor, repetitions in one program, peak
+# device memory per layout
+timeout 330 python experiments/benchmarks.py --only forms,pooling,floor,reps,memory --write "$out/BENCHMARKS.gpu.md" \
   2>&1 | tee "$out/benchmarks.log"
 if [ -n "${TFDS_DATA_DIR:-}" ]; then
   for reps in 1 5; do

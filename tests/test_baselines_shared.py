@@ -127,7 +127,7 @@ def test_registry_defaults_options_and_budget():
                       batch_size=16, local_epochs=2)
     algo = methods.build(cfg, 10)
     assert algo.config == fedrep.FedRepConfig(lr=0.1, batch_size=16, local_epochs=2, head_epochs=3)
-    assert algo.trainer.epochs == 5
+    assert algo.trainer.epochs == 2 and algo.head_phase.epochs == 3  # body epochs; head epochs
     babu = methods.build(make_config("smoke", method="fedbabu"), 10)
     assert (babu.finetune_trainer.epochs, babu.config.finetune_part) == (5, "full")
 
