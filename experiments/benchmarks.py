@@ -10,8 +10,8 @@ Sections (each can be run alone with --only):
           numbers, and time (no speed-up is expected on one CPU);
   memory  peak memory of each client-parallel layout, one fresh process per layout (process peak RSS
           on CPU; the allocator's peak bytes on a GPU/TPU);
-  pooling samples/s of fwd+bwd steps of the backbone with flax's ``nn.max_pool`` and with the
-          reshape + max pooling the model uses;
+  pooling samples/s of training steps and of forward passes with three forms of the same 2×2
+          max-pooling (flax's, reshape + max, and the model's custom-gradient form);
   methods accuracy and round times of pFedKDH and every baseline, read from finished MNIST
           paper-preset runs (``--runs-glob``; the runs themselves are listed in BENCHMARKS.md).
 
@@ -98,17 +98,28 @@ def bench_forms(clients=4, steps=16, repeats=3) -> str:
     return "\n".join(lines)
 
 
-def bench_pooling(steps=8, repeats=10, batch=64) -> str:
-    """The model's training step with flax's max_pool vs the reshape + max form (same values)."""
+def _reshape_max_pool(x):
+    """2×2 max-pooling as a reshape + ``max`` (gradient: compare-and-mask through ``jnp.max``)."""
+    *lead, h, w, c = x.shape
+    x = x[..., : h // 2 * 2, : w // 2 * 2, :]
+    return x.reshape(*lead, h // 2, 2, w // 2, 2, c).max(axis=(-4, -2))
+
+
+def bench_pooling(steps=8, repeats=10, batch=64, eval_batch=2048) -> str:
+    """The model's training step and evaluation forward pass with three forms of the same pooling."""
     import flax.linen as nn
     import optax
 
     from pfedkdh_jax.model import Backbone, Head, max_pool_2x2
-    pools = {"flax nn.max_pool (select_and_scatter gradient)": lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)),
-             "reshape + max (the model's)": max_pool_2x2}
-    lines = ["| input | pooling | samples/s (fwd+bwd+SGD, batch 64) |", "|---|---|---|"]
+    pools = {"flax `nn.max_pool` (reduce_window; select_and_scatter gradient)":
+             lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)),
+             "reshape + max": _reshape_max_pool,
+             "the model's: reduce_window + compare-and-mask gradient (custom VJP)": max_pool_2x2}
+    lines = ["| input | pooling | training samples/s (fwd+bwd+SGD, batch 64) | forward samples/s (batch 2048) |",
+             "|---|---|---|---|"]
     for name, shape in SHAPES.items():
         x = jax.random.normal(jax.random.key(1), (batch, *shape))
+        xe = jax.random.normal(jax.random.key(2), (eval_batch, *shape))
         y = jnp.arange(batch) % 10
         for label, pool in pools.items():
             body, head = Backbone(pool=pool), Head(10)
@@ -124,13 +135,20 @@ def bench_pooling(steps=8, repeats=10, batch=64) -> str:
                 for _ in range(steps):
                     p = jax.tree_util.tree_map(lambda a, g: a - 0.01 * g, p, jax.grad(loss)(p))
                 return p
-            jax.block_until_ready(chunk(params))
+            forward = jax.jit(lambda b, body=body: body.apply({"params": b}, xe))
+            jax.block_until_ready((chunk(params), forward(params["b"])))
             t0 = time.perf_counter()
             p = params
             for _ in range(repeats):
                 p = chunk(p)
             jax.block_until_ready(p)
-            lines.append(f"| {name} | {label} | {repeats * steps * batch / (time.perf_counter() - t0):.0f} |")
+            train = repeats * steps * batch / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for _ in range(repeats // 2):
+                f = forward(params["b"])
+            jax.block_until_ready(f)
+            fwd = (repeats // 2) * eval_batch / (time.perf_counter() - t0)
+            lines.append(f"| {name} | {label} | {train:.0f} | {fwd:.0f} |")
             print(lines[-1], flush=True)
     return "\n".join(lines)
 
@@ -329,7 +347,12 @@ def bench_methods(pattern: str) -> str:
     import glob
     lines = ["| method | scored by | final macro acc. | paper (mean ± std) | gap in σ | s/round median (min–max) | "
              "first round | eval s (median) | samples/s |", "|---|---|---|---|---|---|---|---|---|"]
-    for run_dir in sorted(glob.glob(pattern)):
+    order = list(PAPER)
+
+    def rank(run_dir):
+        name = os.path.basename(run_dir.rstrip("/")).split("-")[1] if "-" in run_dir else run_dir
+        return (order.index(name) if name in order else len(order), run_dir)
+    for run_dir in sorted(glob.glob(pattern), key=rank):
         try:
             with open(os.path.join(run_dir, "summary.json")) as fh:
                 s = json.load(fh)
@@ -347,7 +370,7 @@ def bench_methods(pattern: str) -> str:
             continue
         sizes = np.asarray(s["partition"]["train_sizes"])
         visited = statistics.mean(cfg["local_epochs"] * int(sizes[r["clients"]].sum()) for r in rows[1:])
-        evals = [r["eval_seconds"] for r in rows if r.get("eval_seconds")]
+        evals = [r["eval_seconds"] for r in rows if r.get(key) is not None]  # rounds with an evaluation
         paper, sd = PAPER.get(method, (float("nan"), float("nan")))
         med = statistics.median(times)
         lines.append(f"| {method} | {key.split('_')[0]} | {acc:.2f} % | {paper:.2f} ± {sd:.2f} | "

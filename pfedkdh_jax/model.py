@@ -17,19 +17,44 @@ Params = Any
 FEATURE_DIM = 512
 
 
-def max_pool_2x2(x: jax.Array) -> jax.Array:
-    """2×2 max-pooling with stride 2 (odd trailing rows/columns dropped, as ``nn.max_pool``).
-
-    Written as a reshape and a ``max`` reduction instead of ``nn.max_pool``: same values, but the
-    gradient is a compare-and-mask rather than XLA's ``select_and_scatter``, which on XLA:CPU made a
-    whole training step about twice as slow (BENCHMARKS.md, "Pooling"). The gradients differ only
-    where two entries of a window tie at a positive maximum (the reduction splits the gradient
-    between them, ``select_and_scatter`` gives it to one). The backbone pools before the ReLU
-    (the two commute), so a window of negative pre-activations passes no gradient either way.
-    """
+def _window_view(x: jax.Array) -> jax.Array:
+    """``[..., H, W, C]`` → ``[..., H//2, 2, W//2, 2, C]`` (odd trailing rows/columns dropped)."""
     *lead, h, w, c = x.shape
-    x = x[..., : h // 2 * 2, : w // 2 * 2, :]
-    return x.reshape(*lead, h // 2, 2, w // 2, 2, c).max(axis=(-4, -2))
+    return x[..., : h // 2 * 2, : w // 2 * 2, :].reshape(*lead, h // 2, 2, w // 2, 2, c)
+
+
+@jax.custom_vjp
+def max_pool_2x2(x: jax.Array) -> jax.Array:
+    """2×2 max-pooling with stride 2 over ``[..., H, W, C]`` (odd trailing rows/columns dropped).
+
+    The values are ``nn.max_pool``'s (the forward pass is XLA's ``reduce_window``). The gradient is
+    written as a compare-and-mask over the 2×2 windows instead of XLA's ``select_and_scatter``,
+    which on XLA:CPU made a whole training step about twice as slow; a reshape + ``max`` form has
+    the same fast gradient but a forward pass half as fast as ``reduce_window`` (BENCHMARKS.md,
+    "Pooling form"). Where entries of a window tie for the maximum the gradient is split equally
+    between them (as ``jnp.max``'s), where ``select_and_scatter`` gives it all to one; the backbone
+    pools before the ReLU (the two commute), so a window of negative pre-activations passes no
+    gradient either way.
+    """
+    return nn.max_pool(x, (2, 2), strides=(2, 2))
+
+
+def _max_pool_fwd(x):
+    y = max_pool_2x2(x)
+    return y, (x, y)
+
+
+def _max_pool_bwd(res, g):
+    x, y = res
+    *lead, h, w, c = x.shape
+    hit = (_window_view(x) == y[..., :, None, :, None, :]).astype(g.dtype)
+    share = g[..., :, None, :, None, :] / hit.sum(axis=(-4, -2), keepdims=True)
+    gx = (hit * share).reshape(*lead, h // 2 * 2, w // 2 * 2, c)
+    pad = [(0, 0)] * len(lead) + [(0, h % 2), (0, w % 2), (0, 0)]
+    return (jnp.pad(gx, pad),)
+
+
+max_pool_2x2.defvjp(_max_pool_fwd, _max_pool_bwd)
 
 
 class Backbone(nn.Module):

@@ -108,3 +108,14 @@ def test_reshape_max_pool_matches_flax_max_pool(shape):
     np.testing.assert_array_equal(g_ours, g_ref)
     # each window passes its gradient to exactly one entry
     assert int(jnp.sum(g_ours != 0)) == ref.size
+    # under vmap and jit too
+    g_vm = jax.jit(jax.vmap(jax.grad(lambda v, u: jnp.sum(max_pool_2x2(v) * u))))(x, w)
+    np.testing.assert_allclose(g_vm, g_ours, rtol=0, atol=0)
+
+
+def test_max_pool_splits_the_gradient_of_tied_entries():
+    from pfedkdh_jax.model import max_pool_2x2
+
+    x = jnp.array([[1.0, 1.0], [0.0, 1.0]]).reshape(1, 2, 2, 1)
+    g = jax.grad(lambda v: jnp.sum(3.0 * max_pool_2x2(v)))(x)
+    np.testing.assert_allclose(g[0, :, :, 0], [[1.0, 1.0], [0.0, 1.0]])
