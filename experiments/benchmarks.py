@@ -100,9 +100,8 @@ def bench_forms(clients=4, steps=16, repeats=3) -> str:
 
 def _reshape_max_pool(x):
     """2×2 max-pooling as a reshape + ``max`` (gradient: compare-and-mask through ``jnp.max``)."""
-    *lead, h, w, c = x.shape
-    x = x[..., : h // 2 * 2, : w // 2 * 2, :]
-    return x.reshape(*lead, h // 2, 2, w // 2, 2, c).max(axis=(-4, -2))
+    from pfedkdh_jax.model import _window_view
+    return _window_view(x).max(axis=(-4, -2))
 
 
 def bench_pooling(steps=8, repeats=10, batch=64, eval_batch=2048) -> str:
