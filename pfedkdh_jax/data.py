@@ -170,13 +170,32 @@ def _default_tfds_dir() -> str:
         return os.path.expanduser("~/tensorflow_datasets")
 
 
-def _registered_version(name: str) -> str:
-    """The dataset version tfds builds by default for ``name`` (e.g. ``"3.0.1"`` for MNIST)."""
+def _tfds():
+    """The ``tensorflow_datasets`` module, or ``None`` where it is not installed."""
     try:
         import tensorflow_datasets as tfds
-    except ImportError as err:  # pragma: no cover - tfds is a project dependency
-        raise DataError(f"reading {name!r} needs the package tensorflow-datasets ({err})") from err
-    return str(tfds.builder_cls(name).VERSION)
+    except ImportError:
+        return None
+    return tfds
+
+
+def _registered_version(name: str, root: str) -> str:
+    """The dataset version to read for ``name`` (e.g. ``"3.0.1"`` for MNIST).
+
+    With tfds installed: the version tfds builds by default. Without it (reading from the decoded-array
+    cache only needs numpy): the one version prepared under ``root``.
+    """
+    tfds = _tfds()
+    if tfds is not None:
+        return str(tfds.builder_cls(name).VERSION)
+    name_dir = os.path.join(root, name)
+    versions = sorted(d for d in (os.listdir(name_dir) if os.path.isdir(name_dir) else [])
+                      if os.path.isfile(os.path.join(name_dir, d, "dataset_info.json")))
+    if len(versions) != 1:
+        found = f"versions {', '.join(versions)}" if versions else "no prepared version"
+        raise DataError(f"reading {name!r} needs the package tensorflow-datasets, which is not installed, to "
+                        f"choose among {found} in {name_dir!r}; install it (pip install tensorflow-datasets)")
+    return versions[0]
 
 
 def _prepare_instructions(name: str, root: str) -> str:
@@ -305,7 +324,7 @@ def _decode_split(source: Any, count: int) -> tuple:
 def _load_tfds_pool(name: str, data_dir: str | None, cache_dir: str | None) -> Pool:
     """Loads a prepared tfds dataset through ``tfds.data_source``, using the decoded-array cache."""
     root = resolve_data_dir(data_dir) or _default_tfds_dir()
-    version = _registered_version(name)
+    version = _registered_version(name, root)
     counts = _check_prepared(name, version, root)
     total = sum(counts.values())
     path = _cache_path(name, version, root, cache_dir)
@@ -314,8 +333,11 @@ def _load_tfds_pool(name: str, data_dir: str | None, cache_dir: str | None) -> P
     if cached is not None:
         images, labels = cached
     else:
-        import tensorflow_datasets as tfds
-
+        tfds = _tfds()
+        if tfds is None:
+            raise DataError(f"decoding {name!r} from {root!r} needs the package tensorflow-datasets, which is not "
+                            f"installed (pip install tensorflow-datasets); without it only a decoded-array cache "
+                            f"can be read, and there is none at {path!r}")
         try:
             sources = tfds.data_source(f"{name}:{version}", data_dir=root, download=False)
         except NotImplementedError as err:  # e.g. a TFRecord dataset that slipped through the checks

@@ -228,11 +228,11 @@ def test_dataset_absent_from_shared_dir():
         data.load_pool("cifar10", data_dir=str(SHARED_TFDS))
 
 
-def _fake_prepared(root: Path, file_format: str) -> None:
+def _fake_prepared(root: Path, file_format: str, counts=(60000, 10000), version="3.0.1") -> None:
     """A dataset_info.json (and empty shard files) that look like a prepared MNIST in ``file_format``."""
-    version_dir = root / "mnist" / "3.0.1"
+    version_dir = root / "mnist" / version
     version_dir.mkdir(parents=True)
-    splits = [{"name": s, "shardLengths": [str(n)]} for s, n in (("train", 60000), ("test", 10000))]
+    splits = [{"name": s, "shardLengths": [str(n)]} for s, n in zip(("train", "test"), counts)]
     (version_dir / "dataset_info.json").write_text(
         json.dumps({"name": "mnist", "version": "3.0.1", "fileFormat": file_format, "splits": splits}))
     for split in ("train", "test"):
@@ -249,6 +249,27 @@ def test_cache_dir_inside_data_dir_is_rejected(tmp_path):
     _fake_prepared(tmp_path / "tfds", "array_record")
     with pytest.raises(DataError, match="cache_dir"):
         data.load_pool("mnist", data_dir=str(tmp_path / "tfds"), cache_dir=str(tmp_path / "tfds" / "cache"))
+
+
+def test_cache_is_read_without_tfds(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "_tfds", lambda: None)
+    root, cache = tmp_path / "tfds", tmp_path / "cache"
+    _fake_prepared(root, "array_record", counts=(6, 4))
+    with pytest.raises(DataError, match="needs the package tensorflow-datasets.*there is none"):
+        data.load_pool("mnist", data_dir=str(root), cache_dir=str(cache))
+    images = np.arange(10 * 28 * 28, dtype=np.int64).reshape(10, 28, 28, 1).astype(np.uint8)
+    labels = np.arange(10, dtype=np.int32)[::-1]
+    data._write_cache(data._cache_path("mnist", "3.0.1", str(root), str(cache)), images, labels)
+    pool = data.load_pool("mnist", data_dir=str(root), cache_dir=str(cache))
+    assert np.array_equal(pool.images, images) and np.array_equal(pool.labels, labels)
+
+
+def test_two_prepared_versions_without_tfds_raise(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "_tfds", lambda: None)
+    _fake_prepared(tmp_path / "tfds", "array_record", counts=(6, 4), version="3.0.1")
+    _fake_prepared(tmp_path / "tfds", "array_record", counts=(6, 4), version="3.0.2")
+    with pytest.raises(DataError, match="3.0.1, 3.0.2.*pip install tensorflow-datasets"):
+        data.load_pool("mnist", data_dir=str(tmp_path / "tfds"), cache_dir=str(tmp_path / "cache"))
 
 
 def test_real_mnist_pool_and_cache(tmp_path):
