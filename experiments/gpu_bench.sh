@@ -6,7 +6,9 @@
 # Steps, most important first; each has its own time limit, so one that runs long costs only itself:
 #   1. pFedKDH, MNIST α = 0.1, paper preset, all 50 rounds, one repetition (accuracy and s/round);
 #   2. the same with 5 Monte Carlo repetitions in one vmapped program (mean ± std, s/round);
-#   3. benchmarks.py sections floor, reps and pooling, then forms (synthetic clients).
+#   3. benchmarks.py sections floor, reps and pooling, then forms (synthetic clients);
+#   4. only if METHODS is set (e.g. METHODS="fedbabu pfedme fedala"): 6 rounds of each named method on
+#      the same data, 60 s each (one process per method; start-up and compilation take 25-30 s).
 # Without TFDS_DATA_DIR, steps 1-2 use the offline digits demo set. ROUNDS=N shortens steps 1-2 and
 # LIMIT=S scales every time limit (seconds of the first step), for a dry run on a CPU.
 set -uo pipefail
@@ -46,4 +48,8 @@ floor_run=()
 step "floor,reps,pooling" $(( limit * 6 / 10 )) "$py" experiments/benchmarks.py --only floor,reps,pooling \
   "${floor_run[@]}" --write "$out/bench-floor.md"
 step "forms" $(( limit * 6 / 10 )) "$py" experiments/benchmarks.py --only forms --write "$out/bench-forms.md"
+for m in ${METHODS:-}; do
+  step "method $m" $(( limit * 4 / 10 )) "${run[@]}" --method "$m" --rounds 6 --eval-every 100 --ea-every 100 \
+    --out "$out/runs/method-$m"
+done
 tar -czf "$out/runs.tar.gz" -C "$out" runs && rm -rf "$out/runs"

@@ -91,10 +91,10 @@ def test_model_shapes_and_parameter_count():
 
 
 @pytest.mark.parametrize("shape", [(2, 8, 8, 3), (1, 7, 9, 2), (3, 2, 4, 6, 5)])
-def test_reshape_max_pool_matches_flax_max_pool(shape):
+def test_masked_max_pool_matches_flax_max_pool(shape):
     import flax.linen as nn
 
-    from pfedkdh_jax.model import max_pool_2x2
+    from pfedkdh_jax.model import masked_max_pool_2x2 as max_pool_2x2
 
     # Continuous random values: no ties inside a window, so the gradients agree too.
     x = jax.random.normal(jax.random.key(0), shape)
@@ -113,9 +113,23 @@ def test_reshape_max_pool_matches_flax_max_pool(shape):
     np.testing.assert_allclose(g_vm, g_ours, rtol=0, atol=0)
 
 
-def test_max_pool_splits_the_gradient_of_tied_entries():
-    from pfedkdh_jax.model import max_pool_2x2
+def test_masked_max_pool_splits_the_gradient_of_tied_entries():
+    from pfedkdh_jax.model import masked_max_pool_2x2
 
     x = jnp.array([[1.0, 1.0], [0.0, 1.0]]).reshape(1, 2, 2, 1)
-    g = jax.grad(lambda v: jnp.sum(3.0 * max_pool_2x2(v)))(x)
+    g = jax.grad(lambda v: jnp.sum(3.0 * masked_max_pool_2x2(v)))(x)
     np.testing.assert_allclose(g[0, :, :, 0], [[1.0, 1.0], [0.0, 1.0]])
+
+
+@pytest.mark.parametrize("backend, split", [("cpu", True), ("gpu", False), ("tpu", False)])
+def test_backbone_pooling_form_follows_the_backend(monkeypatch, backend, split):
+    from pfedkdh_jax import model
+
+    monkeypatch.setattr(model.jax, "default_backend", lambda: backend)
+    x = jnp.array([[1.0, 1.0], [0.0, 1.0]]).reshape(1, 2, 2, 1)  # three entries tie for the maximum
+    np.testing.assert_array_equal(model.max_pool_2x2(x), [[[[1.0]]]])
+    g = np.asarray(jax.grad(lambda v: jnp.sum(3.0 * model.max_pool_2x2(v)))(x))
+    if split:  # the masked form: shared between the tied entries
+        np.testing.assert_allclose(g[0, :, :, 0], [[1.0, 1.0], [0.0, 1.0]])
+    else:  # select_and_scatter: all of it to one of them
+        assert sorted(g.ravel().tolist()) == [0.0, 0.0, 0.0, 3.0]
