@@ -6,7 +6,7 @@ This module implements the data protocol of the specification (``method.md`` sec
   official test split, as ``uint8`` images ``[N, H, W, C]`` and ``int32`` labels.  MNIST, Fashion-MNIST,
   CIFAR-10 and CIFAR-100 (fine labels) are read with ``tensorflow_datasets.data_source`` from a prepared
   ArrayRecord data directory, without TensorFlow and without downloading anything.  Decoded arrays are cached
-  as a compressed ``.npz`` file outside the data directory.  ``"digits"`` is a small offline demo pool built
+  as a compressed ``.npz`` file outside the data directory (portable: keyed by the dataset's metadata).  ``"digits"`` is a small offline demo pool built
   from scikit-learn's bundled 8x8 digits, upscaled to 28x28x1.
 * :func:`make_partition` draws the auxiliary server set D_s uniformly at random from the pool, splits the rest
   over the clients with a class-wise Dirichlet partition (optionally balance-capped as in PFLlib), redraws
@@ -258,13 +258,19 @@ def _check_prepared(name: str, version: str, root: str) -> dict:
 
 
 def _cache_path(name: str, version: str, root: str, cache_dir: str | None) -> str:
-    """Cache file for ``name``/``version`` read from data dir ``root``; keyed by a hash of its absolute path."""
+    """Cache file for ``name``/``version`` prepared under data dir ``root``.
+
+    Keyed by a hash of the prepared dataset's ``dataset_info.json`` (split sizes, byte counts), not of
+    the data dir's path: a cache directory copied to another machine, or next to another copy of the
+    same prepared dataset, is found there too (and read without tensorflow-datasets).
+    """
     cache_root = cache_dir or os.environ.get(_CACHE_ENV) or os.path.join("~", ".cache", "pfedkdh_jax")
     cache_root = os.path.realpath(os.path.expanduser(str(cache_root)))
     real_root = os.path.realpath(root)
     if os.path.commonpath([cache_root, real_root]) == real_root:
         raise DataError(f"cache_dir {cache_root!r} lies inside the data dir {real_root!r}; choose another cache_dir")
-    digest = hashlib.sha256(real_root.encode("utf-8")).hexdigest()[:16]
+    with open(os.path.join(real_root, name, version, "dataset_info.json"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
     return os.path.join(cache_root, f"{name}-{version}-{digest}-v{_CACHE_FORMAT}.npz")
 
 

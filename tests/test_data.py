@@ -262,6 +262,15 @@ def test_cache_is_read_without_tfds(tmp_path, monkeypatch):
     data._write_cache(data._cache_path("mnist", "3.0.1", str(root), str(cache)), images, labels)
     pool = data.load_pool("mnist", data_dir=str(root), cache_dir=str(cache))
     assert np.array_equal(pool.images, images) and np.array_equal(pool.labels, labels)
+    # the cache is keyed by the dataset's metadata, not the data dir's path: another copy finds it
+    shutil.copytree(root, tmp_path / "elsewhere")
+    again = data.load_pool("mnist", data_dir=str(tmp_path / "elsewhere"), cache_dir=str(cache))
+    assert np.array_equal(again.images, images)
+    # ... and another prepared dataset (other split sizes) does not
+    shutil.rmtree(tmp_path / "elsewhere")
+    _fake_prepared(tmp_path / "elsewhere", "array_record", counts=(7, 3))
+    with pytest.raises(DataError, match="there is none"):
+        data.load_pool("mnist", data_dir=str(tmp_path / "elsewhere"), cache_dir=str(cache))
 
 
 def test_two_prepared_versions_without_tfds_raise(tmp_path, monkeypatch):
