@@ -9,6 +9,8 @@
 #   3. benchmarks.py sections floor, reps and pooling, then forms (synthetic clients);
 #   4. only if METHODS is set (e.g. METHODS="fedbabu pfedme fedala"): 6 rounds of each named method on
 #      the same data, 60 s each (one process per method; start-up and compilation take 25-30 s).
+# A machine without tensorflow-datasets reads MNIST from a copied decoded-array cache: copy the data dir
+# and the cache dir (~/.cache/pfedkdh_jax) there and set PFEDKDH_CACHE_DIR too.
 # Without TFDS_DATA_DIR, steps 1-2 use the offline digits demo set. ROUNDS=N shortens steps 1-2 and
 # LIMIT=S scales every time limit (seconds of the first step), for a dry run on a CPU.
 set -uo pipefail
