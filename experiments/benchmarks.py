@@ -119,7 +119,8 @@ def bench_pooling(steps=8, repeats=10, batch=64, eval_batch=2048) -> str:
     pools = {"flax `nn.max_pool` (reduce_window; select_and_scatter gradient)":
              lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)),
              "reshape + max": _reshape_max_pool,
-             "reduce_window + compare-and-mask gradient (custom VJP; the model's form on CPU)": masked_max_pool_2x2}
+             "reduce_window + compare-and-mask gradient (custom VJP; the model's form on CPU)":
+             masked_max_pool_2x2}
     lines = ["| input | pooling | training samples/s (fwd+bwd+SGD, batch 64) | forward samples/s (batch 2048) |",
              "|---|---|---|---|"]
     for name, shape in SHAPES.items():
@@ -260,7 +261,8 @@ def bench_reps(clients=4, steps=8, repeats=3) -> str:
                     times.append(time.perf_counter() - t0)
             med = statistics.median(times)
             base = base or med
-            lines.append(f"| {reps} | {mode} | {secs(med)} ({secs(min(times))}–{secs(max(times))}) | {med / base:.2f} |")
+            spread = f"{secs(min(times))}–{secs(max(times))}"
+            lines.append(f"| {reps} | {mode} | {secs(med)} ({spread}) | {med / base:.2f} |")
             print(lines[-1], flush=True)
     return "\n".join(lines)
 

@@ -6,8 +6,9 @@ This module implements the data protocol of the specification (``method.md`` sec
   official test split, as ``uint8`` images ``[N, H, W, C]`` and ``int32`` labels.  MNIST, Fashion-MNIST,
   CIFAR-10 and CIFAR-100 (fine labels) are read with ``tensorflow_datasets.data_source`` from a prepared
   ArrayRecord data directory, without TensorFlow and without downloading anything.  Decoded arrays are cached
-  as a compressed ``.npz`` file outside the data directory (portable: keyed by the dataset's metadata).  ``"digits"`` is a small offline demo pool built
-  from scikit-learn's bundled 8x8 digits, upscaled to 28x28x1.
+  as a compressed ``.npz`` file outside the data directory, keyed by the dataset's metadata (so a copied
+  cache is found elsewhere, and read without tfds).  ``"digits"`` is a small offline demo pool built from
+  scikit-learn's bundled 8x8 digits, upscaled to 28x28x1.
 * :func:`make_partition` draws the auxiliary server set D_s uniformly at random from the pool, splits the rest
   over the clients with a class-wise Dirichlet partition (optionally balance-capped as in PFLlib), redraws
   until every client is large enough, and splits each client's samples into its own train and test sets.
