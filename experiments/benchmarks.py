@@ -112,12 +112,10 @@ def _reshape_max_pool(x):
 
 def bench_pooling(steps=8, repeats=10, batch=64, eval_batch=2048) -> str:
     """The model's training step and evaluation forward pass with three forms of the same pooling."""
-    import flax.linen as nn
     import optax
 
-    from pfedkdh_jax.model import Backbone, Head, masked_max_pool_2x2
-    pools = {"flax `nn.max_pool` (reduce_window; select_and_scatter gradient)":
-             lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)),
+    from pfedkdh_jax.model import Backbone, Head, flax_max_pool_2x2, masked_max_pool_2x2
+    pools = {"flax `nn.max_pool` (reduce_window; select_and_scatter gradient)": flax_max_pool_2x2,
              "reshape + max": _reshape_max_pool,
              "reduce_window + compare-and-mask gradient (custom VJP; the model's form on CPU)":
              masked_max_pool_2x2}
@@ -357,7 +355,8 @@ def bench_methods(pattern: str) -> str:
     order = list(PAPER)
 
     def rank(run_dir):
-        name = os.path.basename(run_dir.rstrip("/")).split("-")[1] if "-" in run_dir else run_dir
+        base = os.path.basename(run_dir.rstrip("/"))
+        name = base.split("-")[1] if "-" in base else base
         return (order.index(name) if name in order else len(order), run_dir)
     for run_dir in sorted(glob.glob(pattern), key=rank):
         try:

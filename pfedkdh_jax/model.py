@@ -23,6 +23,12 @@ def _window_view(x: jax.Array) -> jax.Array:
     return x[..., : h // 2 * 2, : w // 2 * 2, :].reshape(*lead, h // 2, 2, w // 2, 2, c)
 
 
+def flax_max_pool_2x2(x: jax.Array) -> jax.Array:
+    """2×2 max-pooling with stride 2, flax's ``nn.max_pool`` (``reduce_window``; gradient by XLA's
+    ``select_and_scatter``)."""
+    return nn.max_pool(x, (2, 2), strides=(2, 2))
+
+
 @jax.custom_vjp
 def masked_max_pool_2x2(x: jax.Array) -> jax.Array:
     """2×2 max-pooling with stride 2 over ``[..., H, W, C]`` (odd trailing rows/columns dropped).
@@ -36,11 +42,11 @@ def masked_max_pool_2x2(x: jax.Array) -> jax.Array:
     pools before the ReLU (the two commute), so a window of negative pre-activations passes no
     gradient either way.
     """
-    return nn.max_pool(x, (2, 2), strides=(2, 2))
+    return flax_max_pool_2x2(x)
 
 
 def _max_pool_fwd(x):
-    y = masked_max_pool_2x2(x)
+    y = flax_max_pool_2x2(x)
     return y, (x, y)
 
 
@@ -68,7 +74,7 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
     """
     if jax.default_backend() == "cpu":
         return masked_max_pool_2x2(x)
-    return nn.max_pool(x, (2, 2), strides=(2, 2))
+    return flax_max_pool_2x2(x)
 
 
 class Backbone(nn.Module):

@@ -216,11 +216,12 @@ class RoundRunner:
 
         def fused(state, data, selected, round_key):
             ls = local.vstart(state, data, selected, round_key)
-            if client_sharding is not None and selected.shape[0] % self.mesh.size == 0:
-                ls = jax.lax.with_sharding_constraint(ls, client_sharding)
+            shard_clients = client_sharding is not None and selected.shape[0] % self.mesh.size == 0
+
             def train(s, c, r, d):
                 return local.vrun(s, c, r, d, local.max_steps)
-            if client_sharding is not None and selected.shape[0] % self.mesh.size == 0:
+            if shard_clients:
+                ls = jax.lax.with_sharding_constraint(ls, client_sharding)
                 train = _per_device(train, self.mesh, (0, None, 0, None))
             ls = train(ls, algo.context(state), data.train_idx[selected], data)
             if vfinal is not None:
