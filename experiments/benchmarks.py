@@ -379,7 +379,9 @@ def bench_methods(pattern: str) -> str:
         evals = [r["eval_seconds"] for r in rows if r.get(key) is not None]  # rounds with an evaluation
         paper, sd = PAPER.get(method, (float("nan"), float("nan")))
         med = statistics.median(times)
-        lines.append(f"| {method} | {key.split('_')[0]} | {acc:.2f} % | {paper:.2f} ± {sd:.2f} | "
+        base = os.path.basename(run_dir.rstrip("/"))
+        label = method if base == f"mnist-{method}" else f"{method} ({base})"  # e.g. an ablation's run
+        lines.append(f"| {label} | {key.split('_')[0]} | {acc:.2f} % | {paper:.2f} ± {sd:.2f} | "
                      f"{(acc - paper) / sd:+.1f} | {med:.1f} ({min(times):.1f}–{max(times):.1f}) | "
                      f"{rows[0]['train_seconds']:.1f} s | {statistics.median(evals):.2f} | {visited / med:.0f} |")
         print(lines[-1], flush=True)
