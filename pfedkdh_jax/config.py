@@ -14,6 +14,9 @@ from typing import Any
 from pfedkdh_jax.data import DATASETS
 from pfedkdh_jax.methods import METHODS, parse_method_args
 PRESETS = ("default", "paper", "smoke")
+# pFedKDH's distillation forms (their meaning: pfedkdh_jax.pfedkdh)
+KD_TARGETS = ("plain", "support", "prior")
+KD_GATES = ("none", "confidence", "correct", "better")
 
 # method.md Table 1: rounds and local epochs per dataset.
 PAPER_SCHEDULE = {"mnist": (50, 2), "fashion_mnist": (50, 2), "cifar10": (50, 3), "cifar100": (70, 5)}
@@ -60,6 +63,10 @@ class RunConfig:
     teacher_refit_at_start: bool = False  # refit φ_g on D_s once before round 0
     warmup_epochs: int = 0             # E_w: train θ_g, φ_g on D_s before round 0 (0 = off, as the paper)
     ea_steps: int = 20                 # pFedKDH-EA head-only steps (0 = no EA evaluation)
+    ea_lr: float | None = None         # pFedKDH-EA learning rate (None: --lr)
+    ea_epochs: int = 0                 # > 0: EA takes this many epochs over the client's train split instead of --ea-steps
+    kd_target: str = "plain"           # distilled teacher distribution: plain | support | prior (pfedkdh.KD_TARGETS)
+    kd_gate: str = "none"              # per-sample trust in the teacher: none | confidence | correct | better
     # --- evaluation
     eval_every: int = 1                # Fair evaluation of all clients every N rounds (and the last)
     ea_every: int = 10                 # EA evaluation every N rounds (and the last)
@@ -150,6 +157,10 @@ def validate(cfg: RunConfig) -> RunConfig:
            f"--warmup-epochs (training on D_s before round 0) applies to pfedkdh only; got "
            f"{cfg.warmup_epochs} with --method {cfg.method}")
     _check(cfg.ea_steps >= 0, f"--ea-steps must be >= 0; got {cfg.ea_steps}")
+    _check(cfg.ea_epochs >= 0, f"--ea-epochs must be >= 0; got {cfg.ea_epochs}")
+    _check(cfg.ea_lr is None or cfg.ea_lr > 0, f"--ea-lr must be > 0; got {cfg.ea_lr}")
+    _check(cfg.kd_target in KD_TARGETS, f"--kd-target must be one of {', '.join(KD_TARGETS)}; got {cfg.kd_target!r}")
+    _check(cfg.kd_gate in KD_GATES, f"--kd-gate must be one of {', '.join(KD_GATES)}; got {cfg.kd_gate!r}")
     _check(cfg.eval_every >= 1, f"--eval-every must be >= 1; got {cfg.eval_every}")
     _check(cfg.ea_every >= 1, f"--ea-every must be >= 1; got {cfg.ea_every}")
     _check(cfg.client_parallel in (None, "vmap", "sequential"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Callable
 
 import flax.struct as struct
@@ -76,6 +77,9 @@ class LocalTrainer:
       update: optional step rule ``(params, opt_state, ctx, x, y, mask, rng) -> (loss, params,
         opt_state)`` replacing the default "gradient of ``loss_fn``, then ``tx``" (for updates that are
         not one gradient step, e.g. pFedMe's inner solve or a projected step).
+      client_context: optional ``(ctx, aux) -> ctx`` giving the loss (and ``update``) what belongs to
+        the client itself next to the shared context: ``aux`` is the client's ``LocalState.aux``
+        (e.g. its label distribution, for class-aware distillation). ``None``: the loss sees ``ctx``.
     """
 
     loss_fn: Callable[..., jax.Array]
@@ -85,6 +89,7 @@ class LocalTrainer:
     batch_size: int
     max_steps: int | None = None
     update: Callable[..., tuple] | None = None
+    client_context: Callable[[PyTree, PyTree], PyTree] | None = None
 
     def num_steps(self, n):
         return steps_for(n, self.epochs, self.batch_size, self.max_steps)
@@ -123,12 +128,13 @@ class LocalTrainer:
             pos = s.perms[epoch, jnp.minimum(slots, s.perms.shape[1] - 1)]
             x, y = self.gather(source, idx_row[pos])
             rng = jax.random.fold_in(jax.random.fold_in(s.key, 1 << 20), s.step)
+            c = ctx if self.client_context is None else self.client_context(ctx, s.aux)
             if self.update is None:
-                loss, grads = jax.value_and_grad(self.loss_fn)(s.params, ctx, x, y, mask, rng)
+                loss, grads = jax.value_and_grad(self.loss_fn)(s.params, c, x, y, mask, rng)
                 updates, opt_state = self.tx.update(grads, s.opt_state, s.params)
                 params = optax.apply_updates(s.params, updates)
             else:
-                loss, params, opt_state = self.update(s.params, s.opt_state, ctx, x, y, mask, rng)
+                loss, params, opt_state = self.update(s.params, s.opt_state, c, x, y, mask, rng)
             return s.replace(params=params, opt_state=opt_state, step=s.step + 1,
                              loss_sum=s.loss_sum + loss)
 
@@ -178,6 +184,25 @@ class EngineConfig:
         if cfg.chunk_steps < 1:
             raise ValueError(f"chunk_steps must be >= 1, got {cfg.chunk_steps}")
         return cfg
+
+
+# XLA:CPU option that turns off its YNNPACK library calls (on by default in jaxlib 0.10).
+_YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+
+
+def local_training_compiler_options(backend: str | None = None) -> dict | None:
+    """``jax.jit`` compiler options for the compiled calls that take local SGD steps of the CNN.
+
+    On XLA:CPU these calls compile without YNNPACK (``xla_cpu_experimental_ynn_fusion_type`` empty):
+    measured on the 2-core machine, a batch-64 training step ran 1.4× (MNIST) and 2.2× (CIFAR-10)
+    faster without it, while large-batch forward passes (evaluation, the teacher's D_s features) ran
+    up to 3× faster *with* it on MNIST shapes (BENCHMARKS.md, "CPU: XLA's YNNPACK calls"), so those
+    keep XLA's default. ``None`` (XLA's defaults) on other backends, and when the user's
+    ``XLA_FLAGS`` already set the option (theirs wins).
+    """
+    if (backend or jax.default_backend()) != "cpu" or _YNN_OPTION in os.environ.get("XLA_FLAGS", ""):
+        return None
+    return {_YNN_OPTION: ""}
 
 
 def num_chunks(steps: int, chunk_steps: int) -> int:

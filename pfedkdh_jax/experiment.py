@@ -22,7 +22,7 @@ import numpy as np
 from pfedkdh_jax import data as data_lib
 from pfedkdh_jax.checkpoint import CheckpointError, Checkpoints, fingerprint
 from pfedkdh_jax.config import RunConfig, validate
-from pfedkdh_jax.engine import EngineConfig, LocalTrainer, tree_stack
+from pfedkdh_jax.engine import EngineConfig, LocalTrainer, local_training_compiler_options, tree_stack
 from pfedkdh_jax.federated_data import FederatedData, build_federated_data, gather_inputs
 from pfedkdh_jax.losses import cross_entropy, masked_mean
 from pfedkdh_jax.model import CNN
@@ -99,10 +99,12 @@ def warmup(algo: PFedKDH, state, data: FederatedData, key: jax.Array, engine: En
     params = {"backbone": state.backbone, "head": state.teacher_head}
     ls = trainer.init(params, key, jnp.asarray(n), n)
     eng = engine.resolved()
+    opts = local_training_compiler_options()
     if eng.step_loop == "scan":
-        ls = jax.jit(lambda s, d: trainer.run_scan(s, None, d.aux_idx, d, steps))(ls, data)
+        ls = jax.jit(lambda s, d: trainer.run_scan(s, None, d.aux_idx, d, steps), compiler_options=opts)(ls, data)
     else:
-        chunk = jax.jit(lambda s, d: trainer.run_unrolled(s, None, d.aux_idx, d, eng.chunk_steps))
+        chunk = jax.jit(lambda s, d: trainer.run_unrolled(s, None, d.aux_idx, d, eng.chunk_steps),
+                        compiler_options=opts)
         for _ in range(math.ceil(steps / eng.chunk_steps)):
             ls = chunk(ls, data)
     head = ls.params["head"]
@@ -198,7 +200,8 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
 
     # One runner for all groups: sequential repetitions reuse the same compiled functions.
     runner = RoundRunner(algo, data, engine, eval_chunk=cfg.eval_chunk, ea_steps=cfg.ea_steps,
-                         ea_lr=cfg.lr, batch_size=cfg.batch_size, reps=len(seeds) if batched else None,
+                         ea_lr=cfg.ea_lr or cfg.lr, ea_epochs=cfg.ea_epochs, batch_size=cfg.batch_size,
+                         reps=len(seeds) if batched else None,
                          mesh=mesh)
     groups, states = [], []
     for members in ([seeds] if batched else [[s] for s in seeds]):
@@ -237,7 +240,7 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
     for t in range(start, cfg.rounds):
         last = t == cfg.rounds - 1
         do_eval = last or (t + 1) % cfg.eval_every == 0
-        do_ea = do_eval and cfg.ea_steps > 0 and (last or (t + 1) % cfg.ea_every == 0)
+        do_ea = do_eval and (cfg.ea_steps > 0 or cfg.ea_epochs > 0) and (last or (t + 1) % cfg.ea_every == 0)
         t0 = time.perf_counter()
         rep_rows, train_s, eval_s = [], 0.0, 0.0
         for g, group in enumerate(groups):

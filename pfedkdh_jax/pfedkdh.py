@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from pfedkdh_jax import losses
+from pfedkdh_jax.config import KD_GATES, KD_TARGETS
 from pfedkdh_jax.engine import LocalState, LocalTrainer
 from pfedkdh_jax.federated_data import FederatedData, gather_inputs
 from pfedkdh_jax.model import CNN
@@ -53,6 +54,29 @@ class PFedKDHConfig:
     warmup_epochs: int = 0          # E_w: train θ_g and φ_g on D_s before round 0 (0 = off, as the paper)
     ea_steps: int = 20              # head-only SGD steps of pFedKDH-EA before its evaluation
     ea_lr: float | None = None      # None: same as lr
+    kd_target: str = "plain"        # the teacher distribution distilled (KD_TARGETS)
+    kd_gate: str = "none"           # per-sample trust in the teacher (KD_GATES)
+
+    def __post_init__(self):
+        if self.kd_target not in KD_TARGETS:
+            raise ValueError(f"kd_target must be one of {KD_TARGETS}; got {self.kd_target!r}")
+        if self.kd_gate not in KD_GATES:
+            raise ValueError(f"kd_gate must be one of {KD_GATES}; got {self.kd_gate!r}")
+
+
+# How the teacher reaches a client (the paper's form is ("plain", "none")):
+#   kd_target  plain    KL over all classes (the paper)
+#              support  teacher and student restricted to, and renormalised over, the classes of the
+#                       client's own train labels (class-aware distillation)
+#              prior    the teacher's logits Bayes-corrected from D_s's class prior to the client's:
+#                       z_g + log π_k − log π_Ds (absent classes get probability 0); student unrestricted
+#   kd_gate    none     every sample weighted λ (the paper)
+#              confidence  sample i weighted λ·q_g(y_i | x_i), the teacher's probability of the true label
+#              correct  λ where the teacher's prediction is right, 0 elsewhere
+#              better   λ where the teacher gives the true label more probability than the student
+#                       does (T = 1, both from the forward passes the step already makes), 0 elsewhere
+# With a gate, sample i's loss is (1 − λ_i)·CE_i + λ_i·T²·KL_i: an untrusted sample keeps its full CE.
+# (The names are defined in pfedkdh_jax.config, so that option checks import no JAX.)
 
 
 @struct.dataclass
@@ -124,11 +148,17 @@ class PFedKDH:
                             init_head=head, round=jnp.zeros((), jnp.int32))
 
     @property
+    def class_aware(self) -> bool:
+        """Whether the local objective reads the client's own label distribution."""
+        return self.config.lam > 0 and self.config.kd_target != "plain"
+
+    @property
     def trainer(self) -> LocalTrainer:
         """The clients' local problem: J_k over (θ_k, φ_k), plain SGD."""
         c = self.config
         return LocalTrainer(loss_fn=self.local_loss, tx=optax.sgd(c.lr), gather=gather_inputs,
-                            epochs=c.local_epochs, batch_size=c.batch_size)
+                            epochs=c.local_epochs, batch_size=c.batch_size,
+                            client_context=_with_client_labels if self.class_aware else None)
 
     def teacher_trainer(self) -> LocalTrainer:
         c = self.config
@@ -144,14 +174,42 @@ class PFedKDH:
         """``J_k`` of one batch (masked means over the valid samples)."""
         c = self.config
         logits = self.model.logits(params, x, rng=rng)
-        loss = (1.0 - c.lam) * losses.masked_mean(losses.cross_entropy(logits, y), mask)
+        ce = losses.cross_entropy(logits, y)
         if c.lam > 0:
             teacher = self.model.logits({"backbone": ctx["backbone"], "head": ctx["teacher_head"]}, x)
-            kd = losses.distillation_kl(logits, teacher, c.temperature)
-            loss = loss + c.lam * losses.masked_mean(kd, mask)
+            kd, trust = self.transfer(logits, teacher, y, ctx.get("labels"))
+            lam = c.lam * trust
+            loss = losses.masked_mean((1.0 - lam) * ce + lam * kd, mask)
+        else:
+            loss = losses.masked_mean(ce, mask)
         if c.mu > 0:
             loss = loss + losses.proximal(params["backbone"], ctx["backbone"], c.mu)
         return loss
+
+    def transfer(self, student: jax.Array, teacher: jax.Array, y: jax.Array, labels: dict | None):
+        """Per-sample distillation term ``[B]`` and trust in the teacher ``[B]`` (in [0, 1], no
+        gradient) of the configured form (``kd_target``, ``kd_gate``); ``labels``: the client's label
+        support and log prior ratio (see :func:`client_labels`), needed by the class-aware targets."""
+        c = self.config
+        teacher = jax.lax.stop_gradient(teacher)
+        if c.kd_target == "support":
+            kd = losses.restricted_distillation_kl(student, teacher, c.temperature, labels["support"])
+            # the gates compare the two distributions that are distilled: both restricted
+            teacher, student = (losses.restrict_logits(z, labels["support"]) for z in (teacher, student))
+        else:
+            if c.kd_target == "prior":
+                teacher = losses.prior_adjusted_logits(teacher, labels["log_prior_ratio"], labels["support"])
+            kd = losses.distillation_kl(student, teacher, c.temperature)
+        if c.kd_gate == "none":
+            return kd, jnp.ones_like(kd)
+        p_t = losses.true_class_probability(teacher, y)
+        if c.kd_gate == "confidence":
+            trust = p_t
+        elif c.kd_gate == "correct":
+            trust = (jnp.argmax(teacher, -1) == y).astype(kd.dtype)
+        else:  # "better"
+            trust = (p_t > losses.true_class_probability(jax.lax.stop_gradient(student), y)).astype(kd.dtype)
+        return kd, trust
 
     def client_start(self, state: PFedKDHState, data: FederatedData, client: jax.Array,
                      round_key: jax.Array) -> LocalState:
@@ -159,7 +217,8 @@ class PFedKDH:
         head = jax.tree_util.tree_map(lambda h: h[client], state.heads)
         params = {"backbone": state.backbone, "head": head}
         key = jax.random.fold_in(round_key, client)
-        return self.trainer.init(params, key, data.train_n[client], data.max_train)
+        aux = client_labels(data, client) if self.class_aware else None
+        return self.trainer.init(params, key, data.train_n[client], data.max_train, aux=aux)
 
     # ------------------------------------------------------------------------------ server side
     def server_update(self, state: PFedKDHState, data: FederatedData, selected: jax.Array,
@@ -205,6 +264,25 @@ class PFedKDH:
         return state.backbone, state.heads, state.teacher_head
 
 
+def client_labels(data: FederatedData, client: jax.Array) -> dict:
+    """What class-aware distillation knows of client ``client``: its label support (bool ``[C]``,
+    the classes of its train split) and ``log π_k − log π_Ds`` (``[C]``; 0 off the support), from the
+    class frequencies of its train split and of D_s (add-one smoothed)."""
+    c = data.num_classes
+    row = data.train_idx[client]
+    valid = (jnp.arange(row.shape[0]) < data.train_n[client]).astype(jnp.float32)
+    counts = jax.ops.segment_sum(valid, data.labels[row], num_segments=c)
+    aux_counts = jnp.bincount(data.labels[data.aux_idx], length=c).astype(jnp.float32) + 1.0
+    support = counts > 0
+    log_ratio = (jnp.log(jnp.maximum(counts, 1.0) / jnp.sum(counts))
+                 - jnp.log(aux_counts / jnp.sum(aux_counts)))
+    return {"support": support, "log_prior_ratio": jnp.where(support, log_ratio, 0.0)}
+
+
+def _with_client_labels(ctx: dict, aux: dict) -> dict:
+    return {**ctx, "labels": aux}
+
+
 def from_config(cfg, num_classes: int, args: dict) -> PFedKDH:
     """pFedKDH from a :class:`~pfedkdh_jax.config.RunConfig` (its hyperparameters are run options)."""
     del args
@@ -213,4 +291,5 @@ def from_config(cfg, num_classes: int, args: dict) -> PFedKDH:
         lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, lam=cfg.lam,
         temperature=cfg.temperature, mu=cfg.mu, teacher_epochs=cfg.teacher_epochs,
         teacher_warm_start=cfg.teacher_warm_start, teacher_refit_at_start=cfg.teacher_refit_at_start,
-        warmup_epochs=cfg.warmup_epochs, ea_steps=cfg.ea_steps))
+        warmup_epochs=cfg.warmup_epochs, ea_steps=cfg.ea_steps, ea_lr=cfg.ea_lr,
+        kd_target=cfg.kd_target, kd_gate=cfg.kd_gate))

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pfedkdh_jax import evaluation
-from pfedkdh_jax.engine import EngineConfig, num_chunks, tree_stack
+from pfedkdh_jax.engine import EngineConfig, local_training_compiler_options, num_chunks, tree_stack
 from pfedkdh_jax.federated_data import FederatedData
 
 PyTree = Any
@@ -84,6 +84,10 @@ REP_AXES = {
     "features_chunk": (0, None, None), "features_scan": (0, None, None),
     "score": (0, None, 0), "ea": (0, None, 0, 0, 0),
 }
+
+
+# Compiled pieces that take local SGD steps of the CNN (besides the "train_*" / "finetune_*" chunks).
+LOCAL_STEP_PIECES = ("round", "finetune_fused")
 
 
 def _per_device(fn, mesh: jax.sharding.Mesh, axes):
@@ -168,6 +172,7 @@ class RoundRunner:
 
     def __init__(self, algo, data: FederatedData, engine: EngineConfig = EngineConfig(), *,
                  eval_chunk: int = 2048, ea_steps: int = 0, ea_lr: float = 0.015, batch_size: int = 64,
+                 ea_epochs: int = 0,
                  owner_chunk: int | None = None, reps: int | None = None,
                  mesh: jax.sharding.Mesh | None = None):
         self.algo = algo
@@ -179,7 +184,10 @@ class RoundRunner:
             if mesh is not None and reps and mesh.size > 1 and reps % mesh.size == 0 else None)
         self.per_client = bool(getattr(algo, "per_client_backbone", False))
         if self.per_client:
-            ea_steps = 0  # EA adapts heads over shared-backbone features
+            ea_steps = ea_epochs = 0  # EA adapts heads over shared-backbone features
+        if ea_epochs > 0:
+            # EA as epochs over each client's train split (E·ceil(n_k / B) steps, client by client)
+            ea_steps = ea_epochs * math.ceil(data.max_train / batch_size)
         self.engine = engine.resolved()
         self.trainer = algo.trainer
         self.sizes = np.asarray(data.train_sizes)
@@ -188,6 +196,8 @@ class RoundRunner:
         self.ea_steps = ea_steps
         self.traces: collections.Counter = collections.Counter()
         model = algo.model
+
+        train_options = local_training_compiler_options()
 
         def counted(name, fn):
             if reps is not None:
@@ -201,7 +211,9 @@ class RoundRunner:
             def wrapper(*args, **kwargs):
                 self.traces[name] += 1
                 return fn(*args, **kwargs)
-            return jax.jit(wrapper)
+            # the calls that take local SGD steps compile with the local-training options
+            takes_steps = name in LOCAL_STEP_PIECES or name.startswith(("train_", "finetune_scan", "finetune_chunk"))
+            return jax.jit(wrapper, compiler_options=train_options if takes_steps else None)
 
         self._local = _LocalCalls(counted, self.engine, self.trainer, algo.client_start, self.sizes,
                                   ("client_start", "train"), place=self.place)
@@ -267,9 +279,12 @@ class RoundRunner:
 
         if ea_steps > 0:
             from pfedkdh_jax.pfedkdh import head_trainer  # shared head-only SGD
-            min_spe = max(1, math.ceil(int(self.sizes.min()) / batch_size))
-            ea = head_trainer(model, lr=ea_lr, batch_size=batch_size,
-                              epochs=math.ceil(ea_steps / min_spe), max_steps=ea_steps)
+            if ea_epochs > 0:
+                ea = head_trainer(model, lr=ea_lr, batch_size=batch_size, epochs=ea_epochs)
+            else:
+                min_spe = max(1, math.ceil(int(self.sizes.min()) / batch_size))
+                ea = head_trainer(model, lr=ea_lr, batch_size=batch_size,
+                                  epochs=math.ceil(ea_steps / min_spe), max_steps=ea_steps)
 
             def adapted(state, data, train_feats, test_feats, key):
                 backbone, heads, global_head = algo.eval_models(state)

@@ -1,0 +1,156 @@
+"""Validation sweep of pFedKDH's teacher-to-client transfer forms and of its head adaptation (EA).
+
+Every run is scored on a validation split carved from each client's *train* data
+(``--validation-fraction 0.2``); the clients' test splits are never read. A run trains with one
+distillation variant (``VARIANTS``) on one cell (dataset, α) with one (seed, data seed) pair, then
+scores its final model with Fair (heads as they are) and with every EA schedule of ``EA_GRID``
+(head-only SGD on the cached features of the client's remaining train data: a step count or whole
+epochs, at a learning rate). Results go to a JSON-lines file, one line per run, appended as the
+sweep goes, so an interrupted sweep resumes by running the same command (finished runs are skipped).
+
+    python experiments/distill_sweep.py --data-dir ../shared/data/tfds --rounds 20 \\
+        --cells mnist:0.1,mnist:0.05,fashion_mnist:0.1,fashion_mnist:0.05 --seeds 0:0 \\
+        --out experiments/distill_sweep.jsonl
+    python experiments/distill_sweep.py --table experiments/distill_sweep.jsonl   # the table only
+
+``val_fair_last3`` (the mean of the last three rounds' Fair accuracy) is reported next to the final
+round's, because a single final round swings by about half a point on Fashion-MNIST.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import time
+
+# name -> the pFedKDH options that make the variant (λ = 0.5 for every form that distils)
+VARIANTS = {
+    "lam0": dict(lam=0.0),
+    "paper": dict(lam=0.5),
+    "support": dict(lam=0.5, kd_target="support"),
+    "prior": dict(lam=0.5, kd_target="prior"),
+    "confidence": dict(lam=0.5, kd_gate="confidence"),
+    "better": dict(lam=0.5, kd_gate="better"),
+    "support+better": dict(lam=0.5, kd_target="support", kd_gate="better"),
+}
+# EA schedules scored on every run's final model: (name, steps, epochs, lr)
+EA_GRID = [("s20", 20, 0, 0.015), ("s20_lr0.05", 20, 0, 0.05), ("s50", 50, 0, 0.015),
+           ("s50_lr0.05", 50, 0, 0.05), ("e1", 0, 1, 0.015), ("e1_lr0.05", 0, 1, 0.05),
+           ("e3", 0, 3, 0.015), ("e3_lr0.05", 0, 3, 0.05)]
+VALIDATION_FRACTION = 0.2
+
+
+def run_one(dataset: str, alpha: float, variant: str, seed: int, data_seed: int, rounds: int,
+            data_dir: str | None, runs_dir: str, extra: dict) -> dict:
+    import jax
+
+    from pfedkdh_jax.config import make_config
+    from pfedkdh_jax.experiment import run
+    from pfedkdh_jax.rounds import RoundRunner
+
+    tag = "".join(f"-{k}{v}" for k, v in extra.items())
+    name = f"{dataset}-a{alpha:g}-{variant}{tag}-s{seed}-d{data_seed}"
+    cfg = make_config("paper", dataset=dataset, data_dir=data_dir, alpha=alpha, rounds=rounds,
+                      seed=seed, data_seed=data_seed, validation_fraction=VALIDATION_FRACTION,
+                      ea_steps=0, checkpoint_every=0, out=os.path.join(runs_dir, name),
+                      **{**VARIANTS[variant], **extra})
+    t0 = time.time()
+    summary, state, data, algo, runner = run(cfg, progress=False, log=lambda *_: None, return_state=True)
+    with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
+        history = [json.loads(line) for line in f]
+    fair = [r["personalized_macro_accuracy"] for r in history if "personalized_macro_accuracy" in r]
+    row = {"dataset": dataset, "alpha": alpha, "variant": variant, "seed": seed, "data_seed": data_seed,
+           "rounds": rounds, "options": {**VARIANTS[variant], **extra},
+           "val_fair": fair[-1], "val_fair_last3": statistics.mean(fair[-3:]),
+           "val_global": summary.get("global_macro_accuracy"), "curve": fair,
+           "train_seconds_per_round": summary["seconds_per_round"]}
+    for ea_name, steps, epochs, lr in EA_GRID:
+        ea = RoundRunner(algo, data, runner.engine, eval_chunk=cfg.eval_chunk, ea_steps=steps,
+                         ea_epochs=epochs, ea_lr=lr, batch_size=cfg.batch_size)
+        m = ea.evaluate(state, data, jax.random.key(1234), ea=True)
+        row[f"val_ea_{ea_name}"] = float(m["personalized_macro_accuracy_ea"])
+    row["seconds"] = time.time() - t0
+    return row
+
+
+def done_keys(path: str) -> set:
+    if not os.path.exists(path):
+        return set()
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {(r["dataset"], r["alpha"], r["variant"], r["seed"], r["data_seed"], r["rounds"]) for r in rows}
+
+
+def table(path: str) -> str:
+    """Markdown: per cell, every variant's Fair (final, last-3 mean) and best EA, mean over seeds."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    cells = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r in rows:
+        cells[(r["dataset"], r["alpha"], r["rounds"])][r["variant"]].append(r)
+    ea_names = [f"val_ea_{n}" for n, *_ in EA_GRID]
+    out = []
+    for (dataset, alpha, rounds), variants in cells.items():
+        out.append(f"\n**{dataset}, α = {alpha:g}, {rounds} rounds** (validation macro accuracy, %, "
+                   "mean over the (seed, data seed) pairs listed)\n")
+        out.append("| variant | pairs | Fair final | Fair last-3 | global | " + " | ".join(n[7:] for n in ea_names) + " |")
+        out.append("|---|---|---|---|---|" + "---|" * len(ea_names))
+        for v in sorted(variants, key=lambda v: (list(VARIANTS).index(v.split("[")[0]), v)):
+            rs = variants.get(v)
+            if not rs:
+                continue
+            def m(key):
+                vals = [r[key] for r in rs if r.get(key) is not None]
+                return f"{100 * statistics.mean(vals):.2f}" if vals else "–"
+            pairs = ",".join(f"{r['seed']}/{r['data_seed']}" for r in rs)
+            out.append(f"| {v} | {pairs} | {m('val_fair')} | {m('val_fair_last3')} | {m('val_global')} | "
+                       + " | ".join(m(n) for n in ea_names) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--cells", default="mnist:0.1", help="dataset:alpha,... ")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--seeds", default="0:0", help="seed:data_seed,...")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--set", default="", help="extra options for every run, key=value,... (e.g. dropout=0.25)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "distill_sweep.jsonl"))
+    ap.add_argument("--runs-dir", default="runs/distill")
+    ap.add_argument("--table", default=None, help="only print the table of this results file")
+    args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
+    extra = {}
+    for pair in filter(None, args.set.split(",")):
+        k, v = pair.split("=", 1)
+        try:
+            extra[k] = int(v) if v.isdigit() else float(v)
+        except ValueError:
+            extra[k] = v
+    done = done_keys(args.out)
+    for cell in args.cells.split(","):
+        dataset, alpha = cell.split(":")
+        for pair in args.seeds.split(","):
+            seed, data_seed = map(int, pair.split(":"))
+            for variant in args.variants.split(","):
+                label = variant + (f"[{args.set}]" if args.set else "")
+                key = (dataset, float(alpha), label, seed, data_seed, args.rounds)
+                if key in done:
+                    continue
+                row = run_one(dataset, float(alpha), variant, seed, data_seed, args.rounds, args.data_dir,
+                              args.runs_dir, extra)
+                row["variant"] = label
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
+    print(table(args.out))
+
+
+if __name__ == "__main__":
+    main()
