@@ -56,6 +56,8 @@ _SWITCHES = [
     ("--balance-cap", "balance_cap", True, "PFLlib's balance-capped Dirichlet partition"),
     ("--teacher-cold-start", "teacher_warm_start", False, "refit the teacher head from φ_g⁰ each round"),
     ("--teacher-refit-at-start", "teacher_refit_at_start", True, "refit the teacher head once before round 0"),
+    ("--average-heads", "persistent_heads", False,
+     "ablation: no persistent heads; the selected heads are averaged like the backbone and given to every client"),
 ]
 
 

@@ -61,6 +61,7 @@ class RunConfig:
     teacher_epochs: int = 3            # teacher-head refit epochs over D_s after each aggregation
     teacher_warm_start: bool = True    # refit from current φ_g (False: from φ_g⁰)
     teacher_refit_at_start: bool = False  # refit φ_g on D_s once before round 0
+    persistent_heads: bool = True      # False (ablation): heads averaged like the backbone, every client gets the average
     warmup_epochs: int = 0             # E_w: train θ_g, φ_g on D_s before round 0 (0 = off, as the paper)
     ea_steps: int = 20                 # pFedKDH-EA head-only steps (0 = no EA evaluation)
     ea_lr: float | None = None         # pFedKDH-EA learning rate (None: --lr)
@@ -156,6 +157,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.warmup_epochs == 0 or cfg.method == "pfedkdh",
            f"--warmup-epochs (training on D_s before round 0) applies to pfedkdh only; got "
            f"{cfg.warmup_epochs} with --method {cfg.method}")
+    for flag, changed in (("--average-heads", not cfg.persistent_heads), ("--kd-target", cfg.kd_target != "plain"),
+                          ("--kd-gate", cfg.kd_gate != "none")):
+        _check(not changed or cfg.method == "pfedkdh",
+               f"{flag} is a pfedkdh option; --method {cfg.method} does not use it")
     _check(cfg.ea_steps >= 0, f"--ea-steps must be >= 0; got {cfg.ea_steps}")
     _check(cfg.ea_epochs >= 0, f"--ea-epochs must be >= 0; got {cfg.ea_epochs}")
     _check(cfg.ea_lr is None or cfg.ea_lr > 0, f"--ea-lr must be > 0; got {cfg.ea_lr}")

@@ -56,6 +56,8 @@ class PFedKDHConfig:
     ea_lr: float | None = None      # None: same as lr
     kd_target: str = "plain"        # the teacher distribution distilled (KD_TARGETS)
     kd_gate: str = "none"           # per-sample trust in the teacher (KD_GATES)
+    persistent_heads: bool = True   # False (ablation): the selected heads are averaged (n_k) and every
+                                    # client's head becomes that average, like the backbone
 
     def __post_init__(self):
         if self.kd_target not in KD_TARGETS:
@@ -224,9 +226,13 @@ class PFedKDH:
     def server_update(self, state: PFedKDHState, data: FederatedData, selected: jax.Array,
                       finals: LocalState, round_key: jax.Array) -> tuple[PFedKDHState, dict]:
         """Keep each selected head with its client; average the uploaded backbones; refit φ_g."""
-        heads = jax.tree_util.tree_map(lambda all_h, new_h: all_h.at[selected].set(new_h),
-                                       state.heads, finals.params["head"])
-        upload = finals.params["backbone"]  # the only thing that leaves a client
+        if self.config.persistent_heads:
+            heads = jax.tree_util.tree_map(lambda all_h, new_h: all_h.at[selected].set(new_h),
+                                           state.heads, finals.params["head"])
+        else:  # ablation: the heads are aggregated like the backbone
+            mean_head = weighted_average(finals.params["head"], data.train_n[selected])
+            heads = jax.tree_util.tree_map(lambda all_h, h: jnp.broadcast_to(h, all_h.shape), state.heads, mean_head)
+        upload = finals.params["backbone"]  # the only thing that leaves a client (with persistent heads)
         backbone, teacher_head, teacher_loss = self.aggregate(
             state, upload, data.train_n[selected], data, jax.random.fold_in(round_key, data.num_clients))
         client_loss = finals.loss_sum / jnp.maximum(finals.step, 1)
@@ -292,4 +298,4 @@ def from_config(cfg, num_classes: int, args: dict) -> PFedKDH:
         temperature=cfg.temperature, mu=cfg.mu, teacher_epochs=cfg.teacher_epochs,
         teacher_warm_start=cfg.teacher_warm_start, teacher_refit_at_start=cfg.teacher_refit_at_start,
         warmup_epochs=cfg.warmup_epochs, ea_steps=cfg.ea_steps, ea_lr=cfg.ea_lr,
-        kd_target=cfg.kd_target, kd_gate=cfg.kd_gate))
+        kd_target=cfg.kd_target, kd_gate=cfg.kd_gate, persistent_heads=cfg.persistent_heads))

@@ -191,3 +191,19 @@ def test_sampling_schedule():
     assert all(len(set(row)) == 10 for row in s)
     assert s.min() >= 0 and s.max() < 20
     assert np.array_equal(s, sample_schedule(jax.random.key(0), 50, 20, 10))
+
+
+def test_average_heads_ablation_gives_every_client_the_weighted_mean_head(tiny):
+    """--average-heads: the selected clients' trained heads are averaged (n_k) and replace every head."""
+    _, _, data = tiny
+    algo, runner, state = make(tiny, hp=PFedKDHConfig(**{**HP.__dict__, "persistent_heads": False}))
+    sel = np.array([2, 0])
+    new, _ = runner.round(state, data, sel, jax.random.key(100))
+    # the same round with persistent heads trains the same heads (the first round starts from φ⁰ for all)
+    persistent, runner_p, _ = make(tiny)
+    kept, _ = runner_p.round(state, data, sel, jax.random.key(100))
+    n = np.asarray(data.train_n)[sel].astype(np.float64)
+    for got, trained in zip(jax.tree_util.tree_leaves(new.heads), jax.tree_util.tree_leaves(kept.heads)):
+        want = np.tensordot(n / n.sum(), np.asarray(trained)[sel], axes=1)
+        for k in range(data.num_clients):
+            np.testing.assert_allclose(np.asarray(got)[k], want, rtol=1e-5, atol=1e-6)
