@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from pfedkdh_jax.data import DATASETS
@@ -127,6 +128,10 @@ def _check(ok: bool, msg: str) -> None:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Raise :class:`ConfigError` for the first invalid option; return ``cfg`` otherwise."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{f.name.replace('_', '-')} must be a finite number; got {value}")
     _check(cfg.method in METHODS, f"--method must be one of {', '.join(METHODS)}; got {cfg.method!r}")
     try:
         parse_method_args(cfg.method, cfg.method_args)

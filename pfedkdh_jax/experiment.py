@@ -21,7 +21,7 @@ import numpy as np
 
 from pfedkdh_jax import data as data_lib
 from pfedkdh_jax.checkpoint import CheckpointError, Checkpoints, fingerprint
-from pfedkdh_jax.config import RunConfig, validate
+from pfedkdh_jax.config import ConfigError, RunConfig, validate
 from pfedkdh_jax.engine import EngineConfig, LocalTrainer, local_training_compiler_options, tree_stack
 from pfedkdh_jax.federated_data import FederatedData, build_federated_data, gather_inputs
 from pfedkdh_jax.losses import cross_entropy, masked_mean
@@ -174,6 +174,7 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
     validate(cfg)
     out_dir = cfg.out or default_out_dir(cfg)
     cfg = dataclasses.replace(cfg, out=out_dir)
+    _check_writable(out_dir)
     pool, part, part_summary = prepare_data(cfg)
     if pool.is_demo:
         log(f"NOTE: '{cfg.dataset}' is scikit-learn's bundled 8x8 digits upscaled to 28x28: a demo set "
@@ -226,7 +227,7 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
         else:
             start, states, history = restored
             log(f"resuming {out_dir} after round {start}")
-    os.makedirs(out_dir, exist_ok=True)
+    _make_dir(out_dir)
     if not resume or not os.path.exists(os.path.join(out_dir, "config.json")):
         _write_json(os.path.join(out_dir, "config.json"), {
             **cfg.to_dict(), "engine": dataclasses.asdict(engine), "reps_batched": batched,
@@ -290,6 +291,25 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
     if return_state:
         return summary, states[0], data, algo, groups[0].runner
     return summary
+
+
+def _check_writable(out_dir: str) -> None:
+    """Whether the run directory can be created (or written, if it exists), checked before anything
+    is loaded and without creating anything; else one line (ConfigError) says why."""
+    probe = os.path.abspath(out_dir)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ConfigError(f"--out {out_dir}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out_dir}: no permission to write in {probe}")
+
+
+def _make_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {path}: cannot create it ({e.strerror or e})") from None
 
 
 def resolved_reps_mode(cfg: RunConfig) -> str:

@@ -43,6 +43,10 @@ def test_smoke_run_writes_the_run_directory(tmp_path, capsys):
     (["--participation", "0"], "--participation"),
     (["--batch-size", "0"], "--batch-size"),
     (["--lam", "2"], "--lam"),
+    (["--kd-target", "everything"], "--kd-target"),
+    (["--kd-gate", "always"], "--kd-gate"),
+    (["--ea-lr", "0"], "--ea-lr"),
+    (["--ea-epochs", "-1"], "--ea-epochs"),
     (["--aux-size", "1797"], "--aux-size"),
     (["--clients", "200", "--min-client-samples", "10"], "min_client_samples"),
     (["--dataset", "cifar10", "--data-dir", "."], "download_and_prepare"),
@@ -52,6 +56,30 @@ def test_bad_input_is_one_clear_line(args, option, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pfedkdh: error:") and option in err
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--alpha", "--mu", "--lam"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_non_finite_numbers_are_rejected(flag, value, capsys):
+    rc = cli.main(["run", "--no-progress", "--out", "unused", f"{flag}={value}"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pfedkdh: error:") and flag in err and "finite" in err
+
+
+def test_unwritable_out_is_one_clear_line(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    rc = cli.main(["run", "--no-progress", "--preset", "smoke", "--out", str(blocker / "run")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pfedkdh: error: --out") and "not a directory" in err and err.count("\n") == 0
+
+
+def test_pfedkdh_only_flags_are_rejected_with_other_methods(capsys):
+    rc = cli.main(["run", "--no-progress", "--out", "unused", "--method", "fedavg", "--kd-target", "support"])
+    assert rc == 2
+    assert "--kd-target is a pfedkdh option" in capsys.readouterr().err
 
 
 def test_bad_input_fails_before_importing_jax():

@@ -26,6 +26,9 @@ def make(tiny, client_parallel="sequential", step_loop="unrolled", hp=HP, dropou
 
 
 def leaves_equal(a, b):
+    """Same tree structure and bit-identical leaves."""
+    if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
+        return False
     return all(np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
