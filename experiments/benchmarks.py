@@ -35,13 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pfedkdh_jax.algorithms.pfedkdh import PFedKDH, PFedKDHConfig
 from pfedkdh_jax.data import Pool, make_partition
-from pfedkdh_jax.engine import EngineConfig, tree_stack
-from pfedkdh_jax.experiment import streams
-from pfedkdh_jax.federated_data import build_federated_data
+from pfedkdh_jax.data.device import build_federated_data
+from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.engine.local import tree_stack
+from pfedkdh_jax.engine.runner import RoundRunner
 from pfedkdh_jax.model import CNN
-from pfedkdh_jax.pfedkdh import PFedKDH, PFedKDHConfig
-from pfedkdh_jax.rounds import RoundRunner
+from pfedkdh_jax.run.experiment import streams
 
 FORMS = [("sequential", "unrolled", 8), ("sequential", "unrolled", 16), ("vmap", "unrolled", 8),
          ("sequential", "scan", None), ("vmap", "scan", None)]
@@ -94,7 +95,7 @@ def bench_forms(clients=4, steps=16, repeats=3) -> str:
         samples = int(np.sum(np.asarray(data.train_n))) * 1
         for cp, sl, chunk in FORMS:
             algo = algo_for(shape)
-            runner = RoundRunner(algo, data, EngineConfig(cp, sl, chunk or 8))
+            runner = RoundRunner(algo, data, Layout(cp, sl, chunk or 8))
             state = algo.init(jax.random.key(0), data)
             first, times = time_rounds(runner, state, data, np.arange(clients), jax.random.key, repeats)
             med = statistics.median(times)
@@ -195,7 +196,7 @@ def bench_floor(run_dir: str | None) -> str:
     clients, steps = 4, 16
     data = synthetic(SHAPES["MNIST"], clients, steps)
     algo = PFedKDH(CNN(10), PFedKDHConfig(local_epochs=1, teacher_epochs=1, lam=0.0))
-    runner = RoundRunner(algo, data, EngineConfig())
+    runner = RoundRunner(algo, data, Layout())
     _, times = time_rounds(runner, algo.init(jax.random.key(0), data), data, np.arange(clients), jax.random.key, 3)
     med = statistics.median(times)
     samples = clients * steps * 64
@@ -240,13 +241,13 @@ def bench_reps(clients=4, steps=8, repeats=3) -> str:
             seeds = list(range(reps))
             keys = [streams(s) for s in seeds]
             if mode == "vmap":
-                runner = RoundRunner(algo, data, EngineConfig(), reps=reps)
+                runner = RoundRunner(algo, data, Layout(), reps=reps)
                 state = tree_stack([algo.init(k["init"], data) for k in keys])
                 sel = np.tile(np.arange(clients), (reps, 1))
                 _, times = time_rounds(runner, state, data, sel,
                                        lambda t: jnp.stack([jax.random.fold_in(k["train"], t) for k in keys]), repeats)
             else:
-                runner = RoundRunner(algo, data, EngineConfig())
+                runner = RoundRunner(algo, data, Layout())
                 states = [algo.init(k["init"], data) for k in keys]
                 time_rounds(runner, states[0], data, np.arange(clients), jax.random.key, 0)
                 times = []
@@ -268,8 +269,8 @@ def bench_reps(clients=4, steps=8, repeats=3) -> str:
 DEVICE_SCRIPT = r"""
 import json, sys, time
 import jax
-from pfedkdh_jax.config import make_config
-from pfedkdh_jax.experiment import run
+from pfedkdh_jax.run.config import make_config
+from pfedkdh_jax.run.experiment import run
 cfg = make_config("smoke", out=sys.argv[1], reps=8, reps_mode="vmap", num_clients=8, rounds=3, local_epochs=1,
                   checkpoint_every=0)
 t0 = time.time()
@@ -301,8 +302,8 @@ import jax
 import numpy as np
 sys.path.insert(0, "experiments")
 from benchmarks import SHAPES, algo_for, synthetic
-from pfedkdh_jax.engine import EngineConfig
-from pfedkdh_jax.rounds import RoundRunner
+from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.engine.runner import RoundRunner
 
 shape, cp, sl = SHAPES[sys.argv[1]], sys.argv[2], sys.argv[3]
 data = synthetic(shape, 4, 16)
@@ -310,7 +311,7 @@ algo = algo_for(shape)
 state = algo.init(jax.random.key(0), data)
 jax.block_until_ready(state)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-runner = RoundRunner(algo, data, EngineConfig(cp, sl, 8))
+runner = RoundRunner(algo, data, Layout(cp, sl, 8))
 for r in range(1):
     state, _ = runner.round(state, data, np.arange(4), jax.random.key(r))
     jax.block_until_ready(state)

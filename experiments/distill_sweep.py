@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import statistics
@@ -47,9 +48,9 @@ def run_one(dataset: str, alpha: float, variant: str, seed: int, data_seed: int,
             data_dir: str | None, runs_dir: str, extra: dict) -> dict:
     import jax
 
-    from pfedkdh_jax.config import make_config
-    from pfedkdh_jax.experiment import run
-    from pfedkdh_jax.rounds import RoundRunner
+    from pfedkdh_jax.run.config import make_config
+    from pfedkdh_jax.run.experiment import run
+    from pfedkdh_jax.engine.runner import RoundRunner
 
     tag = "".join(f"-{k}{v}" for k, v in extra.items())
     name = f"{dataset}-a{alpha:g}-{variant}{tag}-s{seed}-d{data_seed}"
@@ -68,9 +69,9 @@ def run_one(dataset: str, alpha: float, variant: str, seed: int, data_seed: int,
            "val_global": summary.get("global_macro_accuracy"), "curve": fair,
            "train_seconds_per_round": summary["seconds_per_round"]}
     for ea_name, steps, epochs, lr in EA_GRID:
-        ea = RoundRunner(algo, data, runner.engine, eval_chunk=cfg.eval_chunk, ea_steps=steps,
-                         ea_epochs=epochs, ea_lr=lr, batch_size=cfg.batch_size)
-        m = ea.evaluate(state, data, jax.random.key(1234), ea=True)
+        adapted = dataclasses.replace(algo, config=dataclasses.replace(
+            algo.config, ea_steps=steps, ea_epochs=epochs, ea_lr=lr))
+        m = RoundRunner(adapted, data, runner.layout).evaluate(state, data, jax.random.key(1234), personalize=True)
         row[f"val_ea_{ea_name}"] = float(m["personalized_macro_accuracy_ea"])
     row["seconds"] = time.time() - t0
     return row

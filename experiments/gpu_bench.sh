@@ -39,7 +39,7 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a time limit, logs 
   echo "== $name: exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$log"
   return $rc
 }
-run=("$py" -m pfedkdh_jax.cli run --checkpoint-every 0 --no-progress "${data[@]}")
+run=("$py" -m pfedkdh_jax run --checkpoint-every 0 --no-progress "${data[@]}")
 step "reps 1" "$limit" "${run[@]}" --reps 1 --out "$out/runs/reps1"
 rc=$?
 # a failure other than the time limit means the set-up is broken: stop, so the call costs little

@@ -17,15 +17,16 @@ model. Results: experiments/sweep_hparams.json and the table printed (copied to 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
 
 import jax
 
-from pfedkdh_jax.config import make_config
-from pfedkdh_jax.rounds import RoundRunner
-from pfedkdh_jax.experiment import run
+from pfedkdh_jax.run.config import make_config
+from pfedkdh_jax.engine.runner import RoundRunner
+from pfedkdh_jax.run.experiment import run
 
 BASE = dict(lam=0.5, temperature=2.0, mu=0.001, dropout=0.0)
 GRIDS = {
@@ -62,9 +63,9 @@ def main() -> None:
         row = {"variant": name, **hp, "val_fair": summary["personalized_macro_accuracy"],
                "val_global": summary["global_macro_accuracy"], "seconds": time.time() - t0}
         for steps in EA_GRID[1:]:
-            ea = RoundRunner(algo, data, runner.engine, eval_chunk=cfg.eval_chunk, ea_steps=steps,
-                             ea_lr=cfg.lr, batch_size=cfg.batch_size)
-            m = ea.evaluate(state, data, jax.random.key(1234), ea=True)
+            adapted = dataclasses.replace(algo, config=dataclasses.replace(algo.config, ea_steps=steps))
+            m = RoundRunner(adapted, data, runner.layout).evaluate(state, data, jax.random.key(1234),
+                                                                   personalize=True)
             row[f"val_ea{steps}"] = float(m["personalized_macro_accuracy_ea"])
         results.append(row)
         print(json.dumps(row), flush=True)

@@ -1,5 +1,10 @@
 """pfedkdh_jax: pFedKDH and its baselines as pure JAX functions over stacked client pytrees.
 
+Packages: :mod:`pfedkdh_jax.data` (pools, partitions, device layout), :mod:`pfedkdh_jax.engine`
+(local training, the round, evaluation, the host runner), :mod:`pfedkdh_jax.algorithms` (the
+protocol, pFedKDH and every baseline, one file each) and :mod:`pfedkdh_jax.run` (config, experiment,
+checkpoints, reports, CLI).
+
 Public names are re-exported lazily, so ``import pfedkdh_jax`` (and the CLI's input validation) stays
 cheap and does not import JAX until a numerical name is used.
 """
@@ -8,21 +13,25 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
-    # data protocol
+    # data
     "DATASETS": "data", "DataError": "data", "Pool": "data", "Partition": "data", "load_pool": "data",
     "make_partition": "data", "partition_summary": "data", "format_summary": "data",
-    "FederatedData": "federated_data", "build_federated_data": "federated_data",
-    # model and algorithm
-    "CNN": "model", "PFedKDH": "pfedkdh", "PFedKDHConfig": "pfedkdh", "PFedKDHState": "pfedkdh",
-    "weighted_average": "pfedkdh",
+    "FederatedData": "data.device", "build_federated_data": "data.device",
+    # model and algorithms
+    "CNN": "model", "Algorithm": "algorithms.base", "ClientUpdate": "algorithms.base",
+    "EvalModels": "algorithms.base", "Personalization": "algorithms.base",
+    "PFedKDH": "algorithms.pfedkdh", "PFedKDHConfig": "algorithms.pfedkdh", "PFedKDHState": "algorithms.pfedkdh",
+    "METHODS": "algorithms", "build_algorithm": ("algorithms", "build"),
     # engine
-    "EngineConfig": "engine", "LocalTrainer": "engine", "LocalState": "engine",
-    "RoundRunner": "rounds", "sample_schedule": "rounds",
+    "Layout": "engine.layout", "LocalTrainer": "engine.local", "LocalState": "engine.local",
+    "make_round": "engine.round", "make_evaluate": "engine.evaluate",
+    "RoundRunner": "engine.runner", "sample_schedule": "engine.runner",
     # runs
-    "RunConfig": "config", "ConfigError": "config", "make_config": "config", "run": "experiment",
+    "RunConfig": "run.config", "ConfigError": "run.config", "make_config": "run.config",
+    "run": ("run.experiment", "run"),
 }
 
 __all__ = sorted(_EXPORTS)
@@ -30,7 +39,9 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"pfedkdh_jax.{_EXPORTS[name]}"), name)
+        target = _EXPORTS[name]
+        module, attr = target if isinstance(target, tuple) else (target, name)
+        value = getattr(importlib.import_module(f"pfedkdh_jax.{module}"), attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'pfedkdh_jax' has no attribute {name!r}")

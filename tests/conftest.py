@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pfedkdh_jax.data import Partition, Pool, make_partition
-from pfedkdh_jax.federated_data import build_federated_data
+from pfedkdh_jax.data.device import build_federated_data
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

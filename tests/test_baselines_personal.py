@@ -10,15 +10,17 @@ import numpy as np
 import optax
 import pytest
 
-from pfedkdh_jax import cli, losses
-from pfedkdh_jax.baselines import ditto, fedala, fedproto, pfedme
-from pfedkdh_jax.baselines._client_models import take
-from pfedkdh_jax.engine import EngineConfig, LocalTrainer
-from pfedkdh_jax.federated_data import gather_inputs
-from pfedkdh_jax.methods import parse_method_args
+from pfedkdh_jax import losses
+from pfedkdh_jax.run import cli
+from pfedkdh_jax.algorithms import ditto, fedala, fedproto, pfedme
+from pfedkdh_jax.algorithms.common import take
+from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.engine.local import LocalTrainer
+from pfedkdh_jax.data.device import gather_inputs
+from pfedkdh_jax.algorithms import parse_method_args
 from pfedkdh_jax.model import CNN
-from pfedkdh_jax.pfedkdh import weighted_average
-from pfedkdh_jax.rounds import RoundRunner
+from pfedkdh_jax.algorithms.common import weighted_average
+from pfedkdh_jax.engine.runner import RoundRunner
 
 SHARED = dict(lr=0.05, batch_size=8, local_epochs=1)
 SELECTED = [np.array([2, 0]), np.array([1, 2]), np.array([3, 1])]
@@ -52,7 +54,7 @@ def runs(tiny, name, form=("sequential", "unrolled"), rounds=3, **hp):
     """``rounds`` rounds of ``name`` (dropout on) keeping every state, then an evaluation."""
     _, _, data = tiny
     algo = make_algo(name, data, **hp)
-    runner = RoundRunner(algo, data, EngineConfig(*form, chunk_steps=4), eval_chunk=64)
+    runner = RoundRunner(algo, data, Layout(*form, chunk_steps=4))
     states, metrics = [algo.init(jax.random.key(0), data)], []
     for r, sel in enumerate(SELECTED[:rounds]):
         state, m = runner.round(states[-1], data, sel, jax.random.key(100 + r))
@@ -118,8 +120,10 @@ def test_each_sample_is_scored_with_its_owners_model(tiny, trained, name):
     """The per-client evaluation equals a direct computation, client by client."""
     _, part, data = tiny
     algo, _, states, _, evaluation = trained(name)
-    backbones, heads, global_model = algo.eval_models(states[-1])
-    extra = algo.eval_extra_heads(states[-1]) if name == "fedproto" else {}
+    models = algo.eval_models(states[-1])
+    assert models.per_client
+    backbones, heads, global_model = models.backbone, models.heads, models.global_model
+    extra = models.extra_heads or {}
     for prefix, all_heads in {"personalized": heads, **extra}.items():
         per = []
         for k, idx in enumerate(part.test_idx):
@@ -138,7 +142,7 @@ def test_each_sample_is_scored_with_its_owners_model(tiny, trained, name):
 
 @pytest.mark.parametrize("name", ["fedproto", "fedala"])
 def test_vmap_scan_form_computes_the_same_numbers(tiny, trained, name):
-    """The fused one-call round (client_final / aux vmapped) and the lax.map evaluation agree with the
+    """The fused one-call round (client_finish / aux vmapped) and the lax.map evaluation agree with the
     CPU default form (two rounds: FedALA's ALA runs in the second)."""
     _, _, data = tiny
     _, default_runner, states, _, _ = trained(name)
@@ -243,7 +247,7 @@ def test_client_prototypes_are_masked_class_means(tiny, trained):
     _, part, data = tiny
     algo, _, states, _, _ = trained("fedproto")
     state = states[-1]
-    final = jax.jit(algo.client_final)
+    final = jax.jit(algo.client_finish)
     for k in range(data.num_clients):
         ls = algo.client_start(state, data, jnp.int32(k), jax.random.key(0))
         out = final(state, data, jnp.int32(k), ls, jax.random.key(0))
@@ -251,11 +255,11 @@ def test_client_prototypes_are_masked_class_means(tiny, trained):
         z, y = np.asarray(algo.model.features(take(state.models, k)["backbone"], x)), np.asarray(y)
         for c in range(data.num_classes):
             if (y == c).any():
-                np.testing.assert_allclose(out["protos"][c], z[y == c].mean(0), rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(out.aux["protos"][c], z[y == c].mean(0), rtol=1e-5, atol=1e-5)
             else:
-                assert float(out["counts"][c]) == 0.0 and not np.any(out["protos"][c])
-        np.testing.assert_array_equal(out["counts"], np.bincount(y, minlength=data.num_classes))
-        assert np.all(np.isfinite(out["protos"]))
+                assert float(out.aux["counts"][c]) == 0.0 and not np.any(out.aux["protos"][c])
+        np.testing.assert_array_equal(out.aux["counts"], np.bincount(y, minlength=data.num_classes))
+        assert np.all(np.isfinite(out.aux["protos"]))
     assert np.all(np.isfinite(state.protos)) and bool(state.has_proto.all())
 
 

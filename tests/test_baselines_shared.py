@@ -14,14 +14,18 @@ import numpy as np
 import optax
 import pytest
 
-from pfedkdh_jax import cli, evaluation, methods
-from pfedkdh_jax.baselines import _common as C
-from pfedkdh_jax.baselines import fedavg, fedbabu, fedper, fedprox, fedrep
-from pfedkdh_jax.config import ConfigError, make_config
-from pfedkdh_jax.engine import EngineConfig, tree_stack
-from pfedkdh_jax.federated_data import gather_inputs
+from pfedkdh_jax import algorithms as methods
+from pfedkdh_jax.run import cli
+from pfedkdh_jax.algorithms import common as C
+from pfedkdh_jax.algorithms import fedavg, fedbabu, fedper, fedprox, fedrep
+from pfedkdh_jax.run.config import ConfigError, make_config
+from pfedkdh_jax.algorithms.base import ClientUpdate, EvalModels
+from pfedkdh_jax.engine.evaluate import make_evaluate
+from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.engine.local import tree_stack
+from pfedkdh_jax.data.device import gather_inputs
 from pfedkdh_jax.model import CNN
-from pfedkdh_jax.rounds import RoundRunner
+from pfedkdh_jax.engine.runner import RoundRunner
 
 LC = dict(lr=0.05, batch_size=8, local_epochs=1)
 SELECTED = [np.array([2, 0]), np.array([1, 2]), np.array([3, 1])]
@@ -45,8 +49,7 @@ def make_algo(name, data, dropout=0.0, **kw):
 def make(name, tiny, form=("sequential", "unrolled"), **kw):
     _, _, data = tiny
     algo = make_algo(name, data, **kw)
-    runner = RoundRunner(algo, data, EngineConfig(*form, chunk_steps=2), eval_chunk=64, ea_steps=0,
-                         batch_size=LC["batch_size"])
+    runner = RoundRunner(algo, data, Layout(*form, chunk_steps=2))
     return algo, runner, algo.init(jax.random.key(0), data)
 
 
@@ -65,10 +68,8 @@ def assert_tree_close(a, b, **tol):
 
 
 def stacked_finals(algo, state, data, selected, params_list):
-    """The clients' final local states with the given parameters (as if they had trained)."""
-    sel = jnp.asarray(selected, jnp.int32)
-    start = jax.jit(jax.vmap(algo.client_start, in_axes=(None, None, 0, None)))
-    return start(state, data, sel, jax.random.key(0)).replace(params=tree_stack(params_list))
+    """The selected clients' updates with the given parameters (as if they had trained)."""
+    return ClientUpdate(params=tree_stack(params_list), loss=jnp.zeros(len(params_list)))
 
 
 def stepper(trainer):
@@ -129,7 +130,7 @@ def test_registry_defaults_options_and_budget():
     assert algo.config == fedrep.FedRepConfig(lr=0.1, batch_size=16, local_epochs=2, head_epochs=3)
     assert algo.trainer.epochs == 2 and algo.head_phase.epochs == 3  # body epochs; head epochs
     babu = methods.build(make_config("smoke", method="fedbabu"), 10)
-    assert (babu.finetune_trainer.epochs, babu.config.finetune_part) == (5, "full")
+    assert (babu.personalization.trainer.epochs, babu.config.finetune_part) == (5, "full")
 
 
 # --------------------------------------------------------------------------------------- FedAvg
@@ -313,10 +314,11 @@ def test_fedbabu_is_scored_after_fine_tuning(tiny, trained):
     algo, runner, states, _ = trained("fedbabu")
     state, key = states[0], jax.random.key(5)
     m = runner.evaluate(state, data, key)
-    step, start = stepper(algo.finetune_trainer), jax.jit(algo.finetune_start)
+    ft = algo.personalization
+    step, start = stepper(ft.trainer), jax.jit(ft.start)
     for k in range(data.num_clients):
-        ls = start(state, data, jnp.int32(k), jax.random.fold_in(key, 1))
-        for _ in range(int(algo.finetune_trainer.num_steps(data.train_sizes[k]))):
+        ls = start(state, data, jnp.int32(k), key)
+        for _ in range(int(ft.trainer.num_steps(data.train_sizes[k]))):
             ls = step(ls, data.train_idx[k], data)
         acc = direct_accuracy(algo.model, ls.params, data, k)
         assert float(m["personalized_per_client_accuracy"][k]) == pytest.approx(acc, abs=1e-6), k
@@ -332,11 +334,12 @@ def test_fedbabu_fine_tunes_the_chosen_part(tiny):
     for part, body_moves in (("full", True), ("head", False)):
         algo = make_algo("fedbabu", data, finetune_part=part)
         state = algo.init(jax.random.key(0), data)
-        ls = jax.jit(algo.finetune_start)(state, data, jnp.int32(1), jax.random.key(0))
-        new = stepper(algo.finetune_trainer)(ls, data.train_idx[1], data)
+        ft = algo.personalization
+        ls = jax.jit(ft.start)(state, data, jnp.int32(1), jax.random.key(0))
+        new = stepper(ft.trainer)(ls, data.train_idx[1], data)
         assert not leaves_equal(new.params["head"], state.head)
         assert leaves_equal(new.params["backbone"], state.backbone) == (not body_moves)
-    assert make_algo("fedbabu", data, finetune_epochs=0).finetune_trainer is None
+    assert make_algo("fedbabu", data, finetune_epochs=0).personalization is None
     with pytest.raises(ValueError, match="finetune_part"):
         make_algo("fedbabu", data, finetune_part="body")
 
@@ -353,16 +356,17 @@ def test_fine_tuned_evaluation_is_the_same_in_every_engine_form(tiny, trained, f
         np.testing.assert_allclose(got[key], want[key], atol=1e-6, err_msg=key)
 
 
-def test_client_model_scoring_matches_the_shared_scoring(tiny, trained):
+def test_per_client_scoring_matches_the_shared_scoring(tiny, trained):
+    """Every client holding the global model as a model of its own (owner-grouped features) scores
+    exactly what the shared-backbone path scores."""
     _, _, data = tiny
     algo, runner, states, _ = trained("fedavg")
     state = states[1]
     shared = runner.evaluate(state, data, jax.random.key(0))
-    params = C.broadcast_clients({"backbone": state.backbone, "head": state.head}, data.num_clients)
-    width = int(np.max(np.asarray(data.test_n)))
-    counts = jax.jit(lambda p, d: jax.vmap(
-        lambda q, k: evaluation.client_model_correct(algo.model, q, d, k, width))(p, jnp.arange(d.num_clients)))
-    got = evaluation.accuracies_from_counts(*counts(params, data), "personalized")
+    k = data.num_clients
+    own = EvalModels(backbone=C.broadcast(state.backbone, k), heads=C.broadcast(state.head, k), per_client=True)
+    pieces = make_evaluate(algo, Layout("vmap", "scan"))
+    got = jax.jit(lambda m, d: pieces.score(m, pieces.models_features(m, d), d))(own, data)
     for key, value in got.items():
         np.testing.assert_allclose(value, shared[key], atol=1e-6, err_msg=key)
 
@@ -392,7 +396,7 @@ def test_cli_smoke_run(name, tmp_path, capsys):
     out = tmp_path / name
     extra = [a for arg in SMOKE_ARGS.get(name, []) for a in ("--method-arg", arg)]
     rc = cli.main(["run", "--preset", "smoke", "--method", name, "--out", str(out), "--no-progress",
-                   "--chunk-steps", "4", "--ea-steps", "0", *extra])
+                   "--chunk-steps", "4", *extra])
     assert rc == 0, capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == name and summary["status"] == "completed"

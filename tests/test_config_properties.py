@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pfedkdh_jax import cli
+from pfedkdh_jax.run import cli
 
 # flag -> strategy of values that must be refused, and the text the error must name
 INVALID = {

@@ -256,14 +256,14 @@ def test_cache_dir_inside_data_dir_is_rejected(tmp_path):
 
 
 def test_cache_is_read_without_tfds(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "_tfds", lambda: None)
+    monkeypatch.setattr(data.sources, "_tfds", lambda: None)
     root, cache = tmp_path / "tfds", tmp_path / "cache"
     _fake_prepared(root, "array_record", counts=(6, 4))
     with pytest.raises(DataError, match="needs the package tensorflow-datasets.*there is none"):
         data.load_pool("mnist", data_dir=str(root), cache_dir=str(cache))
     images = np.arange(10 * 28 * 28, dtype=np.int64).reshape(10, 28, 28, 1).astype(np.uint8)
     labels = np.arange(10, dtype=np.int32)[::-1]
-    data._write_cache(data._cache_path("mnist", "3.0.1", str(root), str(cache)), images, labels)
+    data.sources._write_cache(data.sources._cache_path("mnist", "3.0.1", str(root), str(cache)), images, labels)
     pool = data.load_pool("mnist", data_dir=str(root), cache_dir=str(cache))
     assert np.array_equal(pool.images, images) and np.array_equal(pool.labels, labels)
     # the cache is keyed by the dataset's metadata, not the data dir's path: another copy finds it
@@ -278,7 +278,7 @@ def test_cache_is_read_without_tfds(tmp_path, monkeypatch):
 
 
 def test_two_prepared_versions_without_tfds_raise(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "_tfds", lambda: None)
+    monkeypatch.setattr(data.sources, "_tfds", lambda: None)
     _fake_prepared(tmp_path / "tfds", "array_record", counts=(6, 4), version="3.0.1")
     _fake_prepared(tmp_path / "tfds", "array_record", counts=(6, 4), version="3.0.2")
     with pytest.raises(DataError, match="3.0.1, 3.0.2.*pip install tensorflow-datasets"):

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from pfedkdh_jax import losses
-from pfedkdh_jax.engine import EngineConfig
+from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.model import CNN
-from pfedkdh_jax.pfedkdh import PFedKDH, PFedKDHConfig, client_labels
-from pfedkdh_jax.rounds import RoundRunner
+from pfedkdh_jax.algorithms.pfedkdh import PFedKDH, PFedKDHConfig, client_labels
+from pfedkdh_jax.engine.runner import RoundRunner
 
 LN43 = 0.5 * np.log(4 / 3)  # KL((1/2, 1/2) ‖ (3/4, 1/4))
 
@@ -95,7 +95,7 @@ def test_class_aware_rounds_agree_across_layouts(tiny, target, gate):
     algo = PFedKDH(CNN(data.num_classes), hp)
     finals = []
     for form in [("sequential", "unrolled"), ("vmap", "scan")]:
-        runner = RoundRunner(algo, data, EngineConfig(*form, chunk_steps=4), eval_chunk=64)
+        runner = RoundRunner(algo, data, Layout(*form, chunk_steps=4))
         state = algo.init(jax.random.key(0), data)
         for r, sel in enumerate([np.array([2, 0]), np.array([1, 3]), np.array([0, 1])]):
             state, m = runner.round(state, data, sel, jax.random.key(10 + r))
@@ -105,7 +105,7 @@ def test_class_aware_rounds_agree_across_layouts(tiny, target, gate):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     # the class-aware round differs from the paper's form under the same keys
     plain = PFedKDH(CNN(data.num_classes), PFedKDHConfig(**{**hp.__dict__, "kd_target": "plain", "kd_gate": "none"}))
-    runner = RoundRunner(plain, data, EngineConfig("sequential", "unrolled", chunk_steps=4), eval_chunk=64)
+    runner = RoundRunner(plain, data, Layout("sequential", "unrolled", chunk_steps=4))
     state = plain.init(jax.random.key(0), data)
     for r, sel in enumerate([np.array([2, 0]), np.array([1, 3]), np.array([0, 1])]):
         state, _ = runner.round(state, data, sel, jax.random.key(10 + r))

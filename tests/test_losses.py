@@ -7,7 +7,8 @@ import pytest
 
 from pfedkdh_jax import losses
 from pfedkdh_jax.model import CNN, param_count
-from pfedkdh_jax.pfedkdh import PFedKDH, PFedKDHConfig, weighted_average
+from pfedkdh_jax.algorithms.common import weighted_average
+from pfedkdh_jax.algorithms.pfedkdh import PFedKDH, PFedKDHConfig
 
 
 def test_masked_mean_ignores_padding_and_empty_mask():

@@ -3,8 +3,8 @@
 import pytest
 
 from conftest import tfds_data_dir
-from pfedkdh_jax.config import make_config
-from pfedkdh_jax.experiment import run
+from pfedkdh_jax.run.config import make_config
+from pfedkdh_jax.run.experiment import run
 
 DATA_DIR = tfds_data_dir()
 

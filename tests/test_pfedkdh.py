@@ -6,10 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pfedkdh_jax.engine import EngineConfig
+from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.model import CNN
-from pfedkdh_jax.pfedkdh import PFedKDH, PFedKDHConfig, weighted_average
-from pfedkdh_jax.rounds import RoundRunner, sample_schedule
+from pfedkdh_jax.algorithms.common import weighted_average
+from pfedkdh_jax.algorithms.pfedkdh import PFedKDH, PFedKDHConfig
+from pfedkdh_jax.engine.runner import RoundRunner, sample_schedule
 
 HP = PFedKDHConfig(lr=0.05, batch_size=8, local_epochs=1, lam=0.5, temperature=2.0, mu=0.01,
                    teacher_epochs=1, ea_steps=3)
@@ -20,8 +21,7 @@ SELECTED = [np.array([2, 0]), np.array([1, 2]), np.array([3, 1])]
 def make(tiny, client_parallel="sequential", step_loop="unrolled", hp=HP, dropout=0.2):
     _, _, data = tiny
     algo = PFedKDH(CNN(data.num_classes, dropout), hp)
-    runner = RoundRunner(algo, data, EngineConfig(client_parallel, step_loop, chunk_steps=4),
-                         eval_chunk=64, ea_steps=hp.ea_steps, ea_lr=hp.lr, batch_size=hp.batch_size)
+    runner = RoundRunner(algo, data, Layout(client_parallel, step_loop, chunk_steps=4))
     return algo, runner, algo.init(jax.random.key(0), data)
 
 
@@ -102,7 +102,7 @@ def test_refit_lowers_the_teacher_loss_on_ds(tiny):
     head, _ = long.refit_teacher(state.backbone, state.teacher_head, data, jax.random.key(0))
 
     def ce(h):
-        from pfedkdh_jax.federated_data import gather_inputs
+        from pfedkdh_jax.data.device import gather_inputs
         xs, ys = gather_inputs(data, data.aux_idx)
         logits = algo.model.logits({"backbone": state.backbone, "head": h}, xs)
         return float(jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), ys[:, None], 1)))
@@ -131,11 +131,11 @@ def test_no_recompilation_after_first_round(tiny, trained):
     state = states[-1]
     for r in range(2):
         state, _ = runner.round(state, data, np.array([r, 3]), jax.random.key(r))
-        runner.evaluate(state, data, jax.random.key(r), ea=True)
+        runner.evaluate(state, data, jax.random.key(r), personalize=True)
     after_first_eval = dict(runner.traces)
     for r in range(2):
         state, _ = runner.round(state, data, np.array([0, 2]), jax.random.key(9 + r))
-        runner.evaluate(state, data, jax.random.key(r), ea=True)
+        runner.evaluate(state, data, jax.random.key(r), personalize=True)
     assert dict(runner.traces) == after_first_eval
     assert all(before[k] == after_first_eval[k] for k in before)
 
@@ -156,12 +156,12 @@ def test_ea_does_not_change_persistent_heads(tiny, trained):
     _, runner, states, _ = trained
     state = states[-1]
     fair = runner.evaluate(state, data, jax.random.key(0))
-    ea = runner.evaluate(state, data, jax.random.key(0), ea=True)
+    ea = runner.evaluate(state, data, jax.random.key(0), personalize=True)
     assert "personalized_macro_accuracy_ea" in ea
     np.testing.assert_array_equal(fair["personalized_per_client_accuracy"], ea["personalized_per_client_accuracy"])
     # a round after an EA evaluation is the same as a round without one
     a, _ = runner.round(state, data, np.array([0, 1]), jax.random.key(5))
-    runner.evaluate(state, data, jax.random.key(1), ea=True)
+    runner.evaluate(state, data, jax.random.key(1), personalize=True)
     b, _ = runner.round(state, data, np.array([0, 1]), jax.random.key(5))
     assert leaves_equal(a, b)
 

@@ -10,12 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from pfedkdh_jax.engine import EngineConfig
-from pfedkdh_jax.experiment import streams
-from pfedkdh_jax.engine import tree_stack
+from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.run.experiment import streams
+from pfedkdh_jax.engine.local import tree_stack
 from pfedkdh_jax.model import CNN
-from pfedkdh_jax.pfedkdh import PFedKDH, PFedKDHConfig
-from pfedkdh_jax.rounds import RoundRunner, sample_schedule
+from pfedkdh_jax.algorithms.pfedkdh import PFedKDH, PFedKDHConfig
+from pfedkdh_jax.engine.runner import RoundRunner, sample_schedule
 
 HP = PFedKDHConfig(lr=0.05, batch_size=8, local_epochs=1, teacher_epochs=1, ea_steps=2)
 
@@ -23,19 +23,18 @@ HP = PFedKDHConfig(lr=0.05, batch_size=8, local_epochs=1, teacher_epochs=1, ea_s
 def run_reps(data, seeds, form, rounds=2):
     """States after ``rounds`` rounds of the given seeds, batched on a repetition axis."""
     algo = PFedKDH(CNN(data.num_classes, 0.1), HP)
-    runner = RoundRunner(algo, data, EngineConfig(*form, chunk_steps=4), eval_chunk=64, ea_steps=2,
-                         ea_lr=HP.lr, batch_size=8, reps=len(seeds))
+    runner = RoundRunner(algo, data, Layout(*form, chunk_steps=4), reps=len(seeds))
     keys = [streams(s) for s in seeds]
     state = tree_stack([algo.init(k["init"], data) for k in keys])
     sched = np.stack([sample_schedule(k["sampling"], rounds, 4, 2) for k in keys])
     for t in range(rounds):
         rk = jax.numpy.stack([jax.random.fold_in(k["train"], t) for k in keys])
         state, _ = runner.round(state, data, sched[:, t], rk)
-    ev = runner.evaluate(state, data, jax.numpy.stack([k["eval"] for k in keys]), ea=True)
+    ev = runner.evaluate(state, data, jax.numpy.stack([k["eval"] for k in keys]), personalize=True)
     traces = dict(runner.traces)
     rk = jax.numpy.stack([jax.random.fold_in(k["train"], rounds) for k in keys])
     runner.evaluate(runner.round(state, data, sched[:, 0], rk)[0], data,
-                    jax.numpy.stack([k["eval"] for k in keys]), ea=True)
+                    jax.numpy.stack([k["eval"] for k in keys]), personalize=True)
     assert dict(runner.traces) == traces, "recompiled after the first round"
     return state, ev, runner
 
@@ -53,7 +52,7 @@ def test_repetition_in_a_batch_equals_the_seed_alone(tiny, form):
 
 
 def test_cli_reps_vmap_equals_sequential_and_reports_mean_std(tmp_path):
-    from pfedkdh_jax import cli
+    from pfedkdh_jax.run import cli
     common = ["run", "--preset", "smoke", "--reps", "3", "--no-progress", "--chunk-steps", "4", "--clients", "6"]
     assert cli.main([*common, "--reps-mode", "vmap", "--out", str(tmp_path / "v")]) == 0
     assert cli.main([*common, "--reps-mode", "sequential", "--out", str(tmp_path / "s")]) == 0
@@ -72,8 +71,8 @@ def test_cli_reps_vmap_equals_sequential_and_reports_mean_std(tmp_path):
 SCRIPT = r"""
 import json, sys
 import jax
-from pfedkdh_jax.config import make_config
-from pfedkdh_jax.experiment import run
+from pfedkdh_jax.run.config import make_config
+from pfedkdh_jax.run.experiment import run
 cfg = make_config("smoke", out=sys.argv[1], reps=int(sys.argv[2]), reps_mode=sys.argv[5], num_clients=4,
                   rounds=2, local_epochs=1, ea_steps=2, client_parallel=sys.argv[3], step_loop=sys.argv[4],
                   chunk_steps=4, checkpoint_every=0)
@@ -103,9 +102,11 @@ def test_sharded_over_fake_devices_matches_one_device(tmp_path, devices, reps, l
     one = _run_on_devices(1, tmp_path / "one", reps, layout, "sequential" if reps > 1 else "vmap")
     many = _run_on_devices(devices, tmp_path / "many", reps, layout)
     assert (one["devices"], many["devices"]) == (1, devices)
-    for key in ["personalized_macro_accuracy", "global_macro_accuracy", "personalized_macro_accuracy_ea",
-                "final_train_loss"]:
-        assert many["summary"][key] == pytest.approx(one["summary"][key], abs=1e-5)
+    # the losses agree to float32 rounding; a rounding difference can flip one test prediction, so
+    # the accuracies agree to less than one prediction of one client (1 / (K · its test size) ≥ 2e-3)
+    assert many["summary"]["final_train_loss"] == pytest.approx(one["summary"]["final_train_loss"], rel=2e-5)
+    for key in ["personalized_macro_accuracy", "global_macro_accuracy", "personalized_macro_accuracy_ea"]:
+        assert many["summary"][key] == pytest.approx(one["summary"][key], abs=1e-3)
     # every compiled piece is traced once per shape, on any number of devices
     assert many["summary"]["traces"] == one["summary"]["traces"]
     assert all(v <= 2 for v in many["summary"]["traces"].values())  # features: test and train shapes

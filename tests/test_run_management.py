@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pfedkdh_jax import cli
-from pfedkdh_jax.checkpoint import CheckpointError
-from pfedkdh_jax.config import make_config
-from pfedkdh_jax.experiment import resume, run
+from pfedkdh_jax.run import cli
+from pfedkdh_jax.run.checkpoint import CheckpointError
+from pfedkdh_jax.run.config import make_config
+from pfedkdh_jax.run.experiment import resume, run
 
 ROUNDS = 5
 ARGS = ["--preset", "default", "--rounds", str(ROUNDS), "--clients", "6", "--chunk-steps", "4",
@@ -43,7 +43,7 @@ def reference(tmp_path_factory):
 
 def start(out, env_extra=None):
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.Popen([sys.executable, "-m", "pfedkdh_jax.cli", "run", *ARGS, "--out", str(out)],
+    return subprocess.Popen([sys.executable, "-m", "pfedkdh_jax.run.cli", "run", *ARGS, "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 

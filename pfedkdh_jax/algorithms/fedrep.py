@@ -44,12 +44,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pfedkdh_jax.baselines import _common as C
-from pfedkdh_jax.baselines.fedper import FedPer
-from pfedkdh_jax.engine import LocalState, LocalTrainer
-from pfedkdh_jax.federated_data import FederatedData, gather_inputs
+from pfedkdh_jax.algorithms import common as C
+from pfedkdh_jax.algorithms.fedper import FedPer
+from pfedkdh_jax.data.device import FederatedData, gather_inputs
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer
 from pfedkdh_jax.model import CNN
-from pfedkdh_jax.pfedkdh import head_trainer
 
 DEFAULT_HEAD_EPOCHS = 10
 FEATURE_CHUNK = 1024   # samples per forward pass when a client's features are computed
@@ -79,7 +78,7 @@ class FedRep(FedPer):
     def head_phase(self) -> LocalTrainer:
         """The head epochs: ``head_epochs`` epochs of SGD on the head over fixed features."""
         c = self.config
-        return head_trainer(self.model, lr=c.lr, batch_size=c.batch_size, epochs=c.head_epochs)
+        return C.head_trainer(self.model, lr=c.lr, batch_size=c.batch_size, epochs=c.head_epochs)
 
     def client_features(self, backbone, data: FederatedData, row: jax.Array) -> jax.Array:
         """Features ``[M, 512]`` of a client's padded train row under ``backbone`` (evaluation mode),
@@ -103,10 +102,10 @@ class FedRep(FedPer):
         return ht.run_scan(hs, None, jnp.arange(m), source, steps).params
 
     def client_start(self, state: C.PersonalHeadsState, data: FederatedData, client: jax.Array,
-                     round_key: jax.Array) -> LocalState:
+                     key: jax.Array) -> LocalState:
         """θ_k ← θ_g; the head epochs on the client's persistent head φ_k; then the local state of
         the representation epochs."""
-        ls = super().client_start(state, data, client, round_key)
+        ls = super().client_start(state, data, client, key)
         head = self.fit_head(state.backbone, ls.params["head"], data, client,
                              jax.random.fold_in(ls.key, HEAD_PHASE_STREAM))
         return ls.replace(params={"backbone": ls.params["backbone"], "head": head})
@@ -114,8 +113,5 @@ class FedRep(FedPer):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedRep:
     """FedRep with the run's shared budget; ``args['head_epochs']`` head epochs per round."""
-    head_epochs = int(args.get("head_epochs", DEFAULT_HEAD_EPOCHS))
-    if head_epochs < 0:
-        raise ValueError(f"fedrep head_epochs must be >= 0; got {head_epochs}")
     return FedRep(CNN(num_classes, cfg.dropout),
-                  FedRepConfig(**dataclasses.asdict(C.local_config(cfg)), head_epochs=head_epochs))
+                  FedRepConfig(**C.local_config(cfg), head_epochs=args["head_epochs"]))

@@ -48,20 +48,17 @@ import jax.numpy as jnp
 import optax
 
 from pfedkdh_jax import losses
-from pfedkdh_jax.baselines._client_models import broadcast, check_shared_options, put, take
-from pfedkdh_jax.engine import LocalState, LocalTrainer
-from pfedkdh_jax.federated_data import FederatedData, gather_inputs
+from pfedkdh_jax.algorithms import common as C
+from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer
 from pfedkdh_jax.model import CNN
-from pfedkdh_jax.pfedkdh import weighted_average
 
 PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
-class PFedMeConfig:
-    lr: float = 0.015          # η, the local model's learning rate
-    batch_size: int = 64
-    local_epochs: int = 2
+class PFedMeConfig(C.LocalConfig):  # lr: η, the local model's learning rate
     lam: float = 15.0          # λ, Moreau-envelope regularisation
     inner_steps: int = 5       # K, gradient steps on the inner problem per minibatch
     personal_lr: float = 0.01  # ν, step size of the inner problem
@@ -76,24 +73,22 @@ class PFedMeState:
 
 
 @dataclasses.dataclass(frozen=True)
-class PFedMe:
+class PFedMe(Algorithm):
     model: CNN
     config: PFedMeConfig = PFedMeConfig()
 
     name = "pfedme"
-    per_client_backbone = True
 
     def init(self, key: jax.Array, data: FederatedData) -> PFedMeState:
         params = self.model.init(key, data.input_shape)
-        return PFedMeState(params=params, personal=broadcast(params, data.num_clients),
+        return PFedMeState(params=params, personal=C.broadcast(params, data.num_clients),
                            round=jnp.zeros((), jnp.int32))
 
     @property
     def trainer(self) -> LocalTrainer:
         """One engine step = K inner steps on θ, then the w step (``update`` replaces the gradient step)."""
         c = self.config
-        return LocalTrainer(loss_fn=self.batch_loss, tx=optax.identity(), gather=gather_inputs,
-                            epochs=c.local_epochs, batch_size=c.batch_size, update=self.local_update)
+        return C.sgd_trainer(self.batch_loss, optax.identity(), c, update=self.local_update)
 
     def context(self, state: PFedMeState) -> PyTree:
         return None
@@ -118,38 +113,34 @@ class PFedMe:
         return loss, {"w": w, "theta": theta}, opt_state
 
     def client_start(self, state: PFedMeState, data: FederatedData, client: jax.Array,
-                     round_key: jax.Array) -> LocalState:
+                     key: jax.Array) -> LocalState:
         """w_k ← w^t and θ ← w^t."""
         params = {"w": state.params, "theta": state.params}
-        return self.trainer.init(params, jax.random.fold_in(round_key, client), data.train_n[client],
-                                 data.max_train)
+        return C.start_local(self.trainer, params, data, client, key)
 
     def server_update(self, state: PFedMeState, data: FederatedData, selected: jax.Array,
-                      finals: LocalState, round_key: jax.Array) -> tuple[PFedMeState, dict]:
-        del round_key
-        params = self.aggregate(state.params, finals.params["w"], data.train_n[selected])
-        personal = put(state.personal, selected, finals.params["theta"])
-        metrics = {"train_loss": jnp.mean(finals.loss_sum / jnp.maximum(finals.step, 1))}
+                      updates: ClientUpdate, key: jax.Array) -> tuple[PFedMeState, dict]:
+        del key
+        params = self.aggregate(state.params, updates.params["w"], data.train_n[selected])
+        personal = C.put(state.personal, selected, updates.params["theta"])
+        metrics = C.round_metrics(updates)
         return state.replace(params=params, personal=personal, round=state.round + 1), metrics
 
     def aggregate(self, params: PyTree, uploads: PyTree, weights: jax.Array) -> PyTree:
         """``w ← (1 − β)·w + β·Σ n_k w_k / Σ n_k``."""
         beta = self.config.beta
-        avg = weighted_average(uploads, weights)
+        avg = C.weighted_average(uploads, weights)
         if beta == 1.0:
             return avg
         return jax.tree_util.tree_map(lambda old, new: (1.0 - beta) * old + beta * new, params, avg)
 
-    def before_training(self, state: PFedMeState, data: FederatedData, key: jax.Array) -> PFedMeState:
-        return state
-
-    def eval_models(self, state: PFedMeState):
-        """(personalized backbones θ_k [K, ...], heads [K, ...], global model w)."""
-        return state.personal["backbone"], state.personal["head"], state.params
+    def eval_models(self, state: PFedMeState) -> EvalModels:
+        """Each client's last personalized model θ_k; the global model w for ``global_*``."""
+        return EvalModels(backbone=state.personal["backbone"], heads=state.personal["head"],
+                          global_model=state.params, per_client=True)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> PFedMe:
-    check_shared_options(cfg, "pfedme")
     return PFedMe(CNN(num_classes, cfg.dropout), PFedMeConfig(
-        lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, lam=args["lam"],
-        inner_steps=args["inner_steps"], personal_lr=args["personal_lr"], beta=args["beta"]))
+        **C.local_config(cfg), lam=args["lam"], inner_steps=args["inner_steps"],
+        personal_lr=args["personal_lr"], beta=args["beta"]))

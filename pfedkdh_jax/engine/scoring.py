@@ -1,21 +1,13 @@
-"""Evaluation over all K clients (method.md §4).
+"""Scores over all K clients (method.md §4): the accuracies of the models an evaluation holds.
 
-* personalized: client k's test split scored with (θ_g, φ_k); macro = mean over clients of the
+* personalized: client k's test split scored with client k's model; macro = mean over clients of the
   per-client accuracy (the paper's metric), micro = all correct / all test samples;
-* global: every test sample scored with (θ_g, φ_g); macro and micro likewise;
-* head adaptation (pFedKDH-EA): each φ_k first takes ``ea_steps`` head-only SGD steps on client k's
-  train split with θ_g frozen; the adapted heads are used for that evaluation only.
-* client models: a method whose personalized model has its own backbone (FedBABU after fine-tuning)
-  is scored client by client on a static window over the client's test samples
-  (:func:`client_model_correct`).
+* global: every test sample scored with the global model; macro and micro likewise.
 
-Features are computed once per evaluation for the flat list of all clients' test samples (and train
-samples for EA) in fixed-size chunks, so the convolutions never run on padding of ragged clients.
-
-Methods whose clients keep whole models of their own (Ditto, pFedMe, FedProto, FedALA) have one
-backbone per client (``[K, ...]``): each test sample's features then come from its owner's backbone.
-:func:`owner_chunks` regroups the flat test list into chunks that each belong to one client (every
-client padded to a multiple of the chunk size only), so a chunk is one call with one backbone.
+Features are computed for the flat list of all clients' test samples in fixed-size chunks, so the
+convolutions never run on padding of ragged clients. With per-client backbones (``[K, ...]``) each test
+sample's features come from its owner's backbone: the owner-grouped chunks of
+:func:`pfedkdh_jax.data.device.owner_chunks` make each chunk one call with one backbone.
 """
 
 from __future__ import annotations
@@ -24,9 +16,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pfedkdh_jax.federated_data import FederatedData, gather_inputs
+from pfedkdh_jax.data.device import FederatedData, gather_inputs
 from pfedkdh_jax.model import CNN
 
 PyTree = Any
@@ -43,25 +34,6 @@ def chunked_features(model: CNN, backbone: PyTree, data: FederatedData, flat_idx
 def features_of(model: CNN, backbone: PyTree, data: FederatedData, idx: jax.Array) -> jax.Array:
     """Features of the given pool indices in one call (eval mode)."""
     return model.features(backbone, gather_inputs(data, idx)[0])
-
-
-def owner_chunks(flat_idx, owner, num_clients: int, chunk: int):
-    """Regroup a flat, owner-tagged index list into single-owner chunks (host numpy).
-
-    Returns ``idx [G, chunk]`` (pool indices; padding repeats index 0), ``slot_owner [G·chunk]``
-    (the owner of every slot, ``num_clients`` for padding) and ``chunk_owner [G]``.
-    """
-    flat_idx, owner = np.asarray(flat_idx), np.asarray(owner)
-    idx, slot_owner, chunk_owner = [], [], []
-    for k in range(num_clients):
-        rows = flat_idx[owner == k]
-        g = -(-len(rows) // chunk)
-        pad = g * chunk - len(rows)
-        idx.append(np.concatenate([rows, np.zeros(pad, rows.dtype)]))
-        slot_owner.append(np.concatenate([np.full(len(rows), k), np.full(pad, num_clients)]))
-        chunk_owner.append(np.full(g, k))
-    return (np.concatenate(idx).reshape(-1, chunk).astype(np.int32),
-            np.concatenate(slot_owner).astype(np.int32), np.concatenate(chunk_owner).astype(np.int32))
 
 
 def owned_features_of(model: CNN, backbones: PyTree, data: FederatedData, client: jax.Array,
@@ -122,28 +94,3 @@ def accuracies_from_counts(correct: jax.Array, count: jax.Array, prefix: str) ->
     return {f"{prefix}_macro_accuracy": jnp.mean(per_client),
             f"{prefix}_micro_accuracy": jnp.sum(correct) / jnp.maximum(jnp.sum(count), 1.0),
             f"{prefix}_per_client_accuracy": per_client}
-
-
-def client_test_window(data: FederatedData, client: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
-    """Pool indices ``[width]`` of client ``client``'s test samples and their validity mask.
-
-    ``data.test_flat`` lists the clients' test samples client after client; ``width`` (static) must be
-    at least the largest ``test_n``.
-    """
-    offsets = jnp.cumsum(data.test_n) - data.test_n
-    slots = jnp.arange(width)
-    pos = jnp.minimum(offsets[client] + slots, data.test_flat.shape[0] - 1)
-    return data.test_flat[pos], slots < data.test_n[client]
-
-
-def client_model_correct(model: CNN, params: PyTree, data: FederatedData, client: jax.Array,
-                         width: int) -> tuple[jax.Array, jax.Array]:
-    """(correct, count) of client ``client``'s own full model ``params`` on its test split.
-
-    For methods whose personalized model has its own backbone (e.g. after FedBABU's fine-tuning);
-    ``width`` is the static test window (the largest ``test_n``).
-    """
-    idx, valid = client_test_window(data, client, width)
-    x, y = gather_inputs(data, idx)
-    correct = (jnp.argmax(model.logits(params, x), -1) == y) & valid
-    return jnp.sum(correct.astype(jnp.float32)), jnp.sum(valid.astype(jnp.float32))

@@ -17,22 +17,20 @@ as the same initial head φ⁰ (method.md §1). Same algorithm as PFLlib's FedPe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from pfedkdh_jax.baselines import _common as C
-from pfedkdh_jax.engine import LocalState, LocalTrainer
-from pfedkdh_jax.federated_data import FederatedData
+from pfedkdh_jax.algorithms import common as C
+from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer
 from pfedkdh_jax.model import CNN
-
-PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
-class FedPer:
+class FedPer(Algorithm):
     """FedPer over a :class:`CNN`. Static; every method is pure and jittable."""
 
     model: CNN
@@ -42,9 +40,9 @@ class FedPer:
 
     def init(self, key: jax.Array, data: FederatedData) -> C.PersonalHeadsState:
         """θ_g⁰ and φ⁰ from ``key``; every client's head starts as φ⁰."""
-        params = C.init_params(self.model, key, data)
+        params = self.model.init(key, data.input_shape)
         return C.PersonalHeadsState(backbone=params["backbone"],
-                                    heads=C.broadcast_clients(params["head"], data.num_clients),
+                                    heads=C.broadcast(params["head"], data.num_clients),
                                     round=jnp.zeros((), jnp.int32))
 
     # ------------------------------------------------------------------------------ client side
@@ -53,35 +51,28 @@ class FedPer:
         """Base and head trained together: one SGD over the full model."""
         return C.sgd_trainer(C.cross_entropy_loss(self.model), optax.sgd(self.config.lr), self.config)
 
-    def context(self, state: C.PersonalHeadsState) -> PyTree:
-        return None
-
     def client_start(self, state: C.PersonalHeadsState, data: FederatedData, client: jax.Array,
-                     round_key: jax.Array) -> LocalState:
+                     key: jax.Array) -> LocalState:
         """θ_k ← θ_g; the client takes up its persistent head φ_k."""
-        head = jax.tree_util.tree_map(lambda h: h[client], state.heads)
-        return self.trainer.init({"backbone": state.backbone, "head": head},
-                                 jax.random.fold_in(round_key, client), data.train_n[client],
-                                 data.max_train)
+        params = {"backbone": state.backbone, "head": C.take(state.heads, client)}
+        return C.start_local(self.trainer, params, data, client, key)
 
     # ------------------------------------------------------------------------------ server side
     def server_update(self, state: C.PersonalHeadsState, data: FederatedData, selected: jax.Array,
-                      finals: LocalState, round_key: jax.Array) -> tuple[C.PersonalHeadsState, dict]:
+                      updates: ClientUpdate, key: jax.Array) -> tuple[C.PersonalHeadsState, dict]:
         """Each selected head stays with its client; the uploaded bases are averaged."""
-        del round_key
-        heads = jax.tree_util.tree_map(lambda all_h, new_h: all_h.at[selected].set(new_h),
-                                       state.heads, finals.params["head"])
-        backbone = C.average_uploads(finals.params["backbone"], data, selected)  # the only upload
-        return (state.replace(backbone=backbone, heads=heads, round=state.round + 1),
-                {"train_loss": C.mean_train_loss(finals)})
+        del key
+        heads = C.put(state.heads, selected, updates.params["head"])
+        backbone = C.average_uploads(updates.params["backbone"], data, selected)  # the only upload
+        return state.replace(backbone=backbone, heads=heads, round=state.round + 1), C.round_metrics(updates)
 
     # ------------------------------------------------------------------------------- evaluation
-    def eval_models(self, state: C.PersonalHeadsState):
-        """(θ_g, φ_k for every client, no global head)."""
-        return state.backbone, state.heads, None
+    def eval_models(self, state: C.PersonalHeadsState) -> EvalModels:
+        """(θ_g, φ_k for every client); no global head."""
+        return EvalModels(backbone=state.backbone, heads=state.heads)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedPer:
     """FedPer with the run's shared budget (no method options)."""
     del args
-    return FedPer(CNN(num_classes, cfg.dropout), C.local_config(cfg))
+    return FedPer(CNN(num_classes, cfg.dropout), C.LocalConfig(**C.local_config(cfg)))

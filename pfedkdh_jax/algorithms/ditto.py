@@ -41,20 +41,17 @@ import jax.numpy as jnp
 import optax
 
 from pfedkdh_jax import losses
-from pfedkdh_jax.baselines._client_models import broadcast, check_shared_options, put, take
-from pfedkdh_jax.engine import LocalState, LocalTrainer
-from pfedkdh_jax.federated_data import FederatedData, gather_inputs
+from pfedkdh_jax.algorithms import common as C
+from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer
 from pfedkdh_jax.model import CNN
-from pfedkdh_jax.pfedkdh import weighted_average
 
 PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
-class DittoConfig:
-    lr: float = 0.015          # η, client SGD learning rate of both models (no momentum)
-    batch_size: int = 64
-    local_epochs: int = 2
+class DittoConfig(C.LocalConfig):
     lam: float = 1.0           # λ, weight of the proximal term of the personal objective
 
 
@@ -66,24 +63,22 @@ class DittoState:
 
 
 @dataclasses.dataclass(frozen=True)
-class Ditto:
+class Ditto(Algorithm):
     model: CNN
     config: DittoConfig = DittoConfig()
 
     name = "ditto"
-    per_client_backbone = True
 
     def init(self, key: jax.Array, data: FederatedData) -> DittoState:
         """w⁰ from ``key``; every personal model starts as w⁰."""
         params = self.model.init(key, data.input_shape)
-        return DittoState(params=params, personal=broadcast(params, data.num_clients),
+        return DittoState(params=params, personal=C.broadcast(params, data.num_clients),
                           round=jnp.zeros((), jnp.int32))
 
     @property
     def trainer(self) -> LocalTrainer:
         c = self.config
-        return LocalTrainer(loss_fn=self.local_loss, tx=optax.sgd(c.lr), gather=gather_inputs,
-                            epochs=c.local_epochs, batch_size=c.batch_size)
+        return C.sgd_trainer(self.local_loss, optax.sgd(c.lr), c)
 
     def context(self, state: DittoState) -> PyTree:
         """w^t, the anchor of the personal models' proximal term."""
@@ -98,33 +93,28 @@ class Ditto:
                 + losses.proximal(params["personal"], ctx, self.config.lam))
 
     def client_start(self, state: DittoState, data: FederatedData, client: jax.Array,
-                     round_key: jax.Array) -> LocalState:
-        params = {"global": state.params, "personal": take(state.personal, client)}
-        return self.trainer.init(params, jax.random.fold_in(round_key, client), data.train_n[client],
-                                 data.max_train)
+                     key: jax.Array) -> LocalState:
+        params = {"global": state.params, "personal": C.take(state.personal, client)}
+        return C.start_local(self.trainer, params, data, client, key)
 
     def server_update(self, state: DittoState, data: FederatedData, selected: jax.Array,
-                      finals: LocalState, round_key: jax.Array) -> tuple[DittoState, dict]:
+                      updates: ClientUpdate, key: jax.Array) -> tuple[DittoState, dict]:
         """FedAvg on the uploaded global copies; personal models stay with their clients."""
-        del round_key
-        params = self.aggregate(finals.params["global"], data.train_n[selected])
-        personal = put(state.personal, selected, finals.params["personal"])
-        metrics = {"train_loss": jnp.mean(finals.loss_sum / jnp.maximum(finals.step, 1))}
+        del key
+        params = self.aggregate(updates.params["global"], data.train_n[selected])
+        personal = C.put(state.personal, selected, updates.params["personal"])
+        metrics = C.round_metrics(updates)
         return state.replace(params=params, personal=personal, round=state.round + 1), metrics
 
     def aggregate(self, uploads: PyTree, weights: jax.Array) -> PyTree:
         """``w ← Σ n_k w_k / Σ n_k`` over the uploads ``[C, ...]``."""
-        return weighted_average(uploads, weights)
+        return C.weighted_average(uploads, weights)
 
-    def before_training(self, state: DittoState, data: FederatedData, key: jax.Array) -> DittoState:
-        return state
-
-    def eval_models(self, state: DittoState):
-        """(personal backbones [K, ...], personal heads [K, ...], global model)."""
-        return state.personal["backbone"], state.personal["head"], state.params
+    def eval_models(self, state: DittoState) -> EvalModels:
+        """Each client's personal model; the global model w for the ``global_*`` metrics."""
+        return EvalModels(backbone=state.personal["backbone"], heads=state.personal["head"],
+                          global_model=state.params, per_client=True)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> Ditto:
-    check_shared_options(cfg, "ditto")
-    return Ditto(CNN(num_classes, cfg.dropout), DittoConfig(
-        lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, lam=args["lam"]))
+    return Ditto(CNN(num_classes, cfg.dropout), DittoConfig(**C.local_config(cfg), lam=args["lam"]))

@@ -54,12 +54,11 @@ import jax.numpy as jnp
 import optax
 
 from pfedkdh_jax import losses
-from pfedkdh_jax.baselines._client_models import (broadcast, check_shared_options, cross_entropy_loss,
-                                                  put, take)
-from pfedkdh_jax.engine import LocalState, LocalTrainer
-from pfedkdh_jax.federated_data import FederatedData, gather_inputs
+from pfedkdh_jax.algorithms import common as C
+from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.data.device import FederatedData, gather_inputs
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer
 from pfedkdh_jax.model import CNN
-from pfedkdh_jax.pfedkdh import weighted_average
 
 PyTree = Any
 
@@ -67,10 +66,7 @@ _ALA_STREAM = 7  # fold_in tag of ALA's sampling key, distinct from the local-tr
 
 
 @dataclasses.dataclass(frozen=True)
-class FedALAConfig:
-    lr: float = 0.015
-    batch_size: int = 64
-    local_epochs: int = 2
+class FedALAConfig(C.LocalConfig):
     eta: float = 1.0          # η, ALA weight learning rate
     rand_percent: int = 80    # s, % of local train data used by ALA
     start_epochs: int = 20    # ALA epochs the first time a client runs it (then 1)
@@ -85,46 +81,36 @@ class FedALAState:
     round: jax.Array     # int32 [], rounds completed
 
 
-def _gather_features(source, idx):
-    feats, labels = source
-    return feats[idx], labels[idx]
-
-
 def mix_heads(local_head: PyTree, global_head: PyTree, weights: PyTree) -> PyTree:
     """``φ_k + (φ_g − φ_k) ⊙ W``."""
     return jax.tree_util.tree_map(lambda l, g, w: l + (g - l) * w, local_head, global_head, weights)
 
 
 @dataclasses.dataclass(frozen=True)
-class FedALA:
+class FedALA(Algorithm):
     model: CNN
     config: FedALAConfig = FedALAConfig()
 
     name = "fedala"
-    per_client_backbone = True
 
     def init(self, key: jax.Array, data: FederatedData) -> FedALAState:
         params = self.model.init(key, data.input_shape)
         k = data.num_clients
         return FedALAState(
-            params=params, local=broadcast(params, k),
-            weights=broadcast(jax.tree_util.tree_map(jnp.ones_like, params["head"]), k),
+            params=params, local=C.broadcast(params, k),
+            weights=C.broadcast(jax.tree_util.tree_map(jnp.ones_like, params["head"]), k),
             started=jnp.zeros((k,), bool), round=jnp.zeros((), jnp.int32))
 
     @property
     def trainer(self) -> LocalTrainer:
         c = self.config
-        return LocalTrainer(loss_fn=cross_entropy_loss(self.model), tx=optax.sgd(c.lr),
-                            gather=gather_inputs, epochs=c.local_epochs, batch_size=c.batch_size)
+        return C.sgd_trainer(C.cross_entropy_loss(self.model), optax.sgd(c.lr), c)
 
     def ala_trainer(self, epochs: int) -> LocalTrainer:
         """Projected SGD on W over precomputed features (no convolution in its loop)."""
         c = self.config
-        return LocalTrainer(loss_fn=self.ala_loss, tx=optax.identity(), gather=_gather_features,
+        return LocalTrainer(loss_fn=self.ala_loss, tx=optax.identity(), gather=C.gather_features,
                             epochs=epochs, batch_size=c.batch_size, update=self.ala_update)
-
-    def context(self, state: FedALAState) -> PyTree:
-        return None
 
     # ------------------------------------------------------------------------------------ ALA
     def ala_loss(self, weights, ctx, z, y, mask, rng) -> jax.Array:
@@ -143,8 +129,8 @@ class FedALA:
         """The client's initial head and its new (weights, started) after adaptive local aggregation."""
         c = self.config
         glob = state.params
-        local_head = take(state.local, client)["head"]
-        weights = take(state.weights, client)
+        local_head = C.take(state.local, client)["head"]
+        weights = C.take(state.weights, client)
         started = state.started[client]
         # Nothing to aggregate while the local head equals the global one (the first round).
         same = jnp.all(jnp.stack([jnp.array_equal(a, b) for a, b in zip(
@@ -175,9 +161,9 @@ class FedALA:
         return head, new_weights, started | ~same
 
     def client_start(self, state: FedALAState, data: FederatedData, client: jax.Array,
-                     round_key: jax.Array) -> LocalState:
+                     key: jax.Array) -> LocalState:
         """ALA initialisation: global backbone, adaptively aggregated head; W travels in ``aux``."""
-        key = jax.random.fold_in(round_key, client)
+        key = jax.random.fold_in(key, client)
         head, weights, started = self.ala(state, data, client, jax.random.fold_in(key, _ALA_STREAM))
         params = {"backbone": state.params["backbone"], "head": head}
         return self.trainer.init(params, key, data.train_n[client], data.max_train,
@@ -185,26 +171,23 @@ class FedALA:
 
     # ------------------------------------------------------------------------------ server side
     def server_update(self, state: FedALAState, data: FederatedData, selected: jax.Array,
-                      finals: LocalState, round_key: jax.Array) -> tuple[FedALAState, dict]:
-        del round_key
-        params = weighted_average(finals.params, data.train_n[selected])
-        metrics = {"train_loss": jnp.mean(finals.loss_sum / jnp.maximum(finals.step, 1))}
+                      updates: ClientUpdate, key: jax.Array) -> tuple[FedALAState, dict]:
+        del key
+        params = C.weighted_average(updates.params, data.train_n[selected])
+        metrics = C.round_metrics(updates)
         return state.replace(
-            params=params, local=put(state.local, selected, finals.params),
-            weights=put(state.weights, selected, finals.aux["weights"]),
-            started=state.started.at[selected].set(finals.aux["started"]),
+            params=params, local=C.put(state.local, selected, updates.params),
+            weights=C.put(state.weights, selected, updates.aux["weights"]),
+            started=state.started.at[selected].set(updates.aux["started"]),
             round=state.round + 1), metrics
 
-    def before_training(self, state: FedALAState, data: FederatedData, key: jax.Array) -> FedALAState:
-        return state
-
-    def eval_models(self, state: FedALAState):
-        """(local backbones [K, ...], local heads [K, ...], global model)."""
-        return state.local["backbone"], state.local["head"], state.params
+    def eval_models(self, state: FedALAState) -> EvalModels:
+        """Each client's local model; the global model for ``global_*``."""
+        return EvalModels(backbone=state.local["backbone"], heads=state.local["head"],
+                          global_model=state.params, per_client=True)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedALA:
-    check_shared_options(cfg, "fedala")
     return FedALA(CNN(num_classes, cfg.dropout), FedALAConfig(
-        lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, eta=args["eta"],
-        rand_percent=args["rand_percent"], start_epochs=args["start_epochs"]))
+        **C.local_config(cfg), eta=args["eta"], rand_percent=args["rand_percent"],
+        start_epochs=args["start_epochs"]))

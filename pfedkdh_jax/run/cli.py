@@ -1,4 +1,4 @@
-"""``pfedkdh`` command line: a thin layer over :func:`pfedkdh_jax.experiment.run`."""
+"""``pfedkdh`` command line: a thin layer over :func:`pfedkdh_jax.run.experiment.run`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from pfedkdh_jax.config import METHODS, PRESETS, ConfigError, RunConfig, make_config
+from pfedkdh_jax.run.config import METHODS, PRESETS, ConfigError, RunConfig, make_config
 from pfedkdh_jax.data import DATASETS, DataError
 
 # flag -> (RunConfig field, type, help). Defaults come from the preset, then RunConfig.
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, field, value, hlp in _SWITCHES:
         r.add_argument(flag, dest=field, action="store_const", const=value, default=None, help=hlp)
     r.add_argument("--method-arg", dest="method_args", action="append", default=None, metavar="KEY=VALUE",
-                   help="a method's own option, repeatable (see pfedkdh_jax/methods.py)")
+                   help="a method's own option, repeatable (see pfedkdh_jax/algorithms/__init__.py)")
     r.add_argument("--config", default=None, metavar="FILE",
                    help="options from a JSON file or a Python file with get_config(smoke=False) "
                         "(experiments/configs/); the preset < this file < flags")
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "resume":
         return _resume(args)
     if args.command == "report":
-        from pfedkdh_jax.report import main as report_main
+        from pfedkdh_jax.run.report import main as report_main
         return report_main(args.run_dirs, args.out)
     values = {k: v for k, v in vars(args).items()
               if k in RunConfig.__dataclass_fields__ and v is not None}
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--method-arg must be KEY=VALUE; got {bad[0]!r}")
             values["method_args"] = tuple(tuple(a.split("=", 1)) for a in args.method_args)
         cfg = make_config(args.preset, **values)
-        from pfedkdh_jax.experiment import run  # jax imported only now
+        from pfedkdh_jax.run.experiment import run  # jax imported only now
         return _guarded(lambda: run(cfg, progress=not args.no_progress))
     except (ConfigError, DataError) as e:
         print(f"pfedkdh: error: {e}", file=sys.stderr)
@@ -155,14 +155,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _resume(args) -> int:
-    from pfedkdh_jax.experiment import resume
+    from pfedkdh_jax.run.experiment import resume
     return _guarded(lambda: resume(args.run_dir, progress=not args.no_progress))
 
 
 def _guarded(job) -> int:
     """Run ``job`` and print its summary; known failures become one line and an exit code."""
-    from pfedkdh_jax.checkpoint import CheckpointError
-    from pfedkdh_jax.experiment import DivergenceError
+    from pfedkdh_jax.run.checkpoint import CheckpointError
+    from pfedkdh_jax.run.experiment import DivergenceError
     try:
         summary = job()
     except (ConfigError, DataError, CheckpointError) as e:

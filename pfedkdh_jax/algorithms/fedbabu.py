@@ -11,12 +11,11 @@ train split for ``finetune_epochs`` epochs and is scored with the fine-tuned mod
 the fine-tuned models are thrown away (the next round starts from θ_g, φ⁰ again).
 
 On the shared engine: the training optimizer is ``body_only(sgd)`` (``optax.set_to_zero`` on the
-head), so φ⁰ stays bit-identical through every round. The fine-tuning is the round runner's optional
-fine-tuning hook (``finetune_trainer`` / ``finetune_start``, see :mod:`pfedkdh_jax.rounds`), run for
-all K clients at every evaluation with the same engine layout as training; its results are the
-``personalized_*`` accuracies. The ``global_*`` accuracies are those of the un-fine-tuned global
-model (θ_g, φ⁰), the paper's "initial" accuracy. (The runner's head-only EA evaluation, ``*_ea``,
-is a separate, pFedKDH-style diagnostic starting from φ⁰; it is not FedBABU's protocol.)
+head), so φ⁰ stays bit-identical through every round. The fine-tuning is this method's
+``personalization`` (:mod:`pfedkdh_jax.algorithms.base`): the engine runs it for all K clients at
+every evaluation with the same layout as training, and the fine-tuned models (a backbone and a head
+per client) give the ``personalized_*`` accuracies. The ``global_*`` accuracies are those of the
+un-fine-tuned global model (θ_g, φ⁰), the paper's "initial" accuracy.
 
 Hyperparameters (``--method-arg``):
 
@@ -37,21 +36,25 @@ method (method.md §3/§5).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from pfedkdh_jax.baselines import _common as C
-from pfedkdh_jax.engine import LocalState, LocalTrainer
-from pfedkdh_jax.federated_data import FederatedData
+from pfedkdh_jax.algorithms import common as C
+from pfedkdh_jax.algorithms.base import (
+    Algorithm,
+    ClientUpdate,
+    EvalModels,
+    Personalization,
+)
+from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer
 from pfedkdh_jax.model import CNN
-
-PyTree = Any
 
 DEFAULT_FINETUNE_EPOCHS = 5
 FINETUNE_PARTS = ("full", "head")
+_FINETUNE_STREAM = 1  # folded into the evaluation key for the fine-tuning's batch order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +62,15 @@ class FedBABUConfig(C.LocalConfig):
     finetune_epochs: int = DEFAULT_FINETUNE_EPOCHS  # τ_f, epochs of fine-tuning before evaluation (0: none)
     finetune_part: str = "full"                      # "full" (body and head) | "head"
 
+    def __post_init__(self):
+        if self.finetune_part not in FINETUNE_PARTS:
+            raise ValueError(f"finetune_part must be one of {FINETUNE_PARTS}; got {self.finetune_part!r}")
+        if self.finetune_epochs < 0:
+            raise ValueError(f"finetune_epochs must be >= 0; got {self.finetune_epochs}")
+
 
 @dataclasses.dataclass(frozen=True)
-class FedBABU:
+class FedBABU(Algorithm):
     """FedBABU over a :class:`CNN`. Static; every method is pure and jittable."""
 
     model: CNN
@@ -69,14 +78,9 @@ class FedBABU:
 
     name = "fedbabu"
 
-    def __post_init__(self):
-        if self.config.finetune_part not in FINETUNE_PARTS:
-            raise ValueError(f"fedbabu finetune_part must be one of {FINETUNE_PARTS}; "
-                             f"got {self.config.finetune_part!r}")
-
     def init(self, key: jax.Array, data: FederatedData) -> C.SharedModelState:
         """θ_g⁰ and the shared, frozen head φ⁰ from ``key``."""
-        params = C.init_params(self.model, key, data)
+        params = self.model.init(key, data.input_shape)
         return C.SharedModelState(backbone=params["backbone"], head=params["head"],
                                   round=jnp.zeros((), jnp.int32), num_clients=data.num_clients)
 
@@ -87,51 +91,48 @@ class FedBABU:
         return C.sgd_trainer(C.cross_entropy_loss(self.model), C.body_only(optax.sgd(self.config.lr)),
                              self.config)
 
-    def context(self, state: C.SharedModelState) -> PyTree:
-        return None
-
     def client_start(self, state: C.SharedModelState, data: FederatedData, client: jax.Array,
-                     round_key: jax.Array) -> LocalState:
+                     key: jax.Array) -> LocalState:
         """Client ``client`` starts from (θ_g, φ⁰)."""
-        return C.start_from_global(self.trainer, state, data, client, round_key)
+        return C.start_local(self.trainer, {"backbone": state.backbone, "head": state.head}, data, client, key)
 
     # ------------------------------------------------------------------------------ server side
     def server_update(self, state: C.SharedModelState, data: FederatedData, selected: jax.Array,
-                      finals: LocalState, round_key: jax.Array) -> tuple[C.SharedModelState, dict]:
+                      updates: ClientUpdate, key: jax.Array) -> tuple[C.SharedModelState, dict]:
         """θ_g ← Σ n_k θ_k / Σ n_k; the head is not uploaded (it is φ⁰ everywhere)."""
-        del round_key
-        backbone = C.average_uploads(finals.params["backbone"], data, selected)
-        return (state.replace(backbone=backbone, round=state.round + 1),
-                {"train_loss": C.mean_train_loss(finals)})
+        del key
+        backbone = C.average_uploads(updates.params["backbone"], data, selected)
+        return state.replace(backbone=backbone, round=state.round + 1), C.round_metrics(updates)
 
     # ------------------------------------------------------------------------------- evaluation
-    def eval_models(self, state: C.SharedModelState):
-        """The un-fine-tuned global model (θ_g, φ⁰) for everyone; the runner's fine-tuning hook
+    def eval_models(self, state: C.SharedModelState) -> EvalModels:
+        """The un-fine-tuned global model (θ_g, φ⁰) for everyone; the personalization (fine-tuning)
         replaces the personalized accuracies."""
-        return state.backbone, C.broadcast_clients(state.head, state.num_clients), state.head
+        return EvalModels(backbone=state.backbone, heads=C.broadcast(state.head, state.num_clients),
+                          global_head=state.head)
 
     @property
-    def finetune_trainer(self) -> LocalTrainer | None:
-        """``finetune_epochs`` epochs of SGD on the client's train split (whole model or head only)."""
+    def personalization(self) -> Personalization | None:
+        """``finetune_epochs`` epochs of SGD on each client's train split (whole model or head only),
+        from the global model (θ_g, φ⁰); every client is scored with its fine-tuned model."""
         c = self.config
         if c.finetune_epochs == 0:
             return None
         tx = optax.sgd(c.lr) if c.finetune_part == "full" else C.head_only(optax.sgd(c.lr))
-        return C.sgd_trainer(C.cross_entropy_loss(self.model), tx, c, epochs=c.finetune_epochs)
+        trainer = C.sgd_trainer(C.cross_entropy_loss(self.model), tx, c, epochs=c.finetune_epochs)
 
-    def finetune_start(self, state: C.SharedModelState, data: FederatedData, client: jax.Array,
-                       key: jax.Array) -> LocalState:
-        """A copy of the global model (θ_g, φ⁰) for client ``client`` to fine-tune."""
-        params = {"backbone": state.backbone, "head": state.head}
-        return self.finetune_trainer.init(params, jax.random.fold_in(key, client),
-                                          data.train_n[client], data.max_train)
+        def start(state: C.SharedModelState, data: FederatedData, client: jax.Array, key: jax.Array):
+            params = {"backbone": state.backbone, "head": state.head}
+            return C.start_local(trainer, params, data, client, jax.random.fold_in(key, _FINETUNE_STREAM))
+
+        def models(state: C.SharedModelState, params) -> EvalModels:
+            del state
+            return EvalModels(backbone=params["backbone"], heads=params["head"], per_client=True)
+
+        return Personalization(trainer=trainer, start=start, models=models, suffix="", always=True)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedBABU:
     """FedBABU with the run's shared budget; ``args``: ``finetune_epochs``, ``finetune_part``."""
-    epochs = int(args.get("finetune_epochs", DEFAULT_FINETUNE_EPOCHS))
-    if epochs < 0:
-        raise ValueError(f"fedbabu finetune_epochs must be >= 0; got {epochs}")
-    return FedBABU(CNN(num_classes, cfg.dropout),
-                   FedBABUConfig(**dataclasses.asdict(C.local_config(cfg)), finetune_epochs=epochs,
-                                 finetune_part=str(args.get("finetune_part", "full"))))
+    return FedBABU(CNN(num_classes, cfg.dropout), FedBABUConfig(
+        **C.local_config(cfg), finetune_epochs=args["finetune_epochs"], finetune_part=args["finetune_part"]))

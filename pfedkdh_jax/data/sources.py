@@ -1,23 +1,17 @@
-"""Data pools, federated partitions and array layout for pFedKDH.
-
-This module implements the data protocol of the specification (``method.md`` section 2):
+"""Data pools: a whole dataset in memory, read from tensorflow-datasets or the bundled demo set.
 
 * :func:`load_pool` reads a dataset into one in-memory *pool*: the official train split followed by the
   official test split, as ``uint8`` images ``[N, H, W, C]`` and ``int32`` labels.  MNIST, Fashion-MNIST,
   CIFAR-10 and CIFAR-100 (fine labels) are read with ``tensorflow_datasets.data_source`` from a prepared
-  ArrayRecord data directory, without TensorFlow and without downloading anything.  Decoded arrays are cached
-  as a compressed ``.npz`` file outside the data directory, keyed by the dataset's metadata (so a copied
-  cache is found elsewhere, and read without tfds).  ``"digits"`` is a small offline demo pool built from
-  scikit-learn's bundled 8x8 digits, upscaled to 28x28x1.
-* :func:`make_partition` draws the auxiliary server set D_s uniformly at random from the pool, splits the rest
-  over the clients with a class-wise Dirichlet partition (optionally balance-capped as in PFLlib), redraws
-  until every client is large enough, and splits each client's samples into its own train and test sets.
-* :func:`partition_summary` / :func:`format_summary` describe a partition; :func:`padded_index_table` lays
-  ragged per-client index lists out as one rectangular table for device code; :func:`normalize` maps
-  ``uint8`` pixels to ``[-1, 1]``.
+  ArrayRecord data directory, without TensorFlow and without downloading anything.  Decoded arrays are
+  cached as a compressed ``.npz`` file outside the data directory, keyed by the dataset's metadata (so a
+  copied cache is found elsewhere, and read without tfds).  ``"digits"`` is a small offline demo pool
+  built from scikit-learn's bundled 8x8 digits, upscaled to 28x28x1.
+* :func:`normalize` maps ``uint8`` pixels to ``[-1, 1]`` (method.md §2).
 
-Everything here runs on the host with numpy.  Every invalid input and every missing-data situation raises
-:class:`DataError`.
+Everything here runs on the host with numpy.  Every invalid input and every missing-data situation
+raises :class:`DataError`.  (Over 300 lines: the tfds reading, its error messages and the cache belong
+together.)
 """
 
 from __future__ import annotations
@@ -28,23 +22,14 @@ import json
 import os
 import tempfile
 import warnings
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "DATASETS",
-    "DataError",
-    "Pool",
-    "Partition",
-    "resolve_data_dir",
-    "load_pool",
-    "make_partition",
-    "partition_summary",
-    "format_summary",
-    "padded_index_table",
-    "normalize",
-]
+
+class DataError(ValueError):
+    """Raised for every invalid data option and every missing or unreadable dataset."""
+
 
 #: Dataset names accepted by :func:`load_pool`.  ``"digits"`` is an offline demo, the others are tfds datasets.
 DATASETS: tuple = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100")
@@ -62,10 +47,6 @@ _CACHE_FORMAT = 1
 
 _CACHE_ENV = "PFEDKDH_CACHE_DIR"
 _DATA_DIR_ENV = "TFDS_DATA_DIR"
-
-
-class DataError(ValueError):
-    """Raised for every invalid data option and every missing or unreadable dataset."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,22 +67,6 @@ class Pool:
     name: str
     is_demo: bool
 
-
-@dataclasses.dataclass(frozen=True)
-class Partition:
-    """A federated split of a pool; every array holds indices into the pool.
-
-    Attributes:
-        aux_idx: ``int64 [A]``, sorted: the auxiliary server set D_s.
-        train_idx: one sorted ``int64`` array per client: the client's train split.
-        test_idx: one sorted ``int64`` array per client: the client's own test split.
-        num_clients: number of clients K.
-    """
-
-    aux_idx: np.ndarray
-    train_idx: tuple
-    test_idx: tuple
-    num_clients: int
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -363,219 +328,6 @@ def _load_tfds_pool(name: str, data_dir: str | None, cache_dir: str | None) -> P
         raise DataError(f"labels of {name!r} fall outside [0, {num_classes}); the prepared data is not as expected")
     return Pool(images=images, labels=labels, num_classes=num_classes, name=name, is_demo=False)
 
-
-# --------------------------------------------------------------------------------------------------------------
-# Partitioning
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _validate_partition_args(n: int, num_clients: int, alpha: float, aux_size: int, min_client_samples: int,
-                             train_fraction: float, max_redraws: int) -> None:
-    """Raises :class:`DataError` (one line: option name and allowed range) for an invalid partition option."""
-    if not (np.isfinite(alpha) and alpha > 0):
-        raise DataError(f"alpha must be > 0 (got {alpha})")
-    if num_clients < 2:
-        raise DataError(f"num_clients must be >= 2 (got {num_clients})")
-    if not 0 <= aux_size < n:
-        raise DataError(f"aux_size must be in [0, {n}) for a pool of {n} samples (got {aux_size})")
-    if min_client_samples < 2:
-        raise DataError(f"min_client_samples must be >= 2 (one train and one test sample; got {min_client_samples})")
-    if not 0.0 < train_fraction < 1.0:
-        raise DataError(f"train_fraction must be in (0, 1) (got {train_fraction})")
-    if max_redraws < 1:
-        raise DataError(f"max_redraws must be >= 1 (got {max_redraws})")
-    left = n - aux_size
-    if num_clients * min_client_samples > left:
-        raise DataError(
-            f"num_clients * min_client_samples must be <= {left} (the samples left after aux_size={aux_size}; "
-            f"got {num_clients} * {min_client_samples} = {num_clients * min_client_samples})"
-        )
-
-
-def _class_proportions(rng: np.random.Generator, alpha: float, sizes: np.ndarray, cap: float | None) -> np.ndarray:
-    """Draws p_c ~ Dir(alpha * 1_K); with a cap, clients holding >= cap samples get 0 and the rest renormalise.
-
-    Every client below the cap keeps its share.  If all of those shares happen to be zero (possible in floating
-    point for tiny alpha), the class is shared evenly among the eligible clients instead.  Some client is always
-    below the cap because the samples still to be assigned keep the assigned total below N.
-    """
-    p = rng.dirichlet(np.full(len(sizes), alpha))
-    eligible = sizes < cap if cap is not None else np.ones(len(sizes), dtype=bool)
-    p = np.where(eligible & np.isfinite(p), p, 0.0)
-    if not p.sum() > 0:
-        p = eligible.astype(np.float64)
-    return p / p.sum()
-
-
-def _dirichlet_assignment(rng: np.random.Generator, labels: np.ndarray, pool_idx: np.ndarray, num_clients: int,
-                          alpha: float, balance_cap: bool) -> list:
-    """One class-wise Dirichlet draw: returns, per client, the list of pool-index arrays it receives."""
-    cap = len(pool_idx) / num_clients if balance_cap else None
-    sizes = np.zeros(num_clients, dtype=np.int64)
-    chunks = [[] for _ in range(num_clients)]
-    sub_labels = labels[pool_idx]
-    for c in np.unique(sub_labels):
-        members = pool_idx[sub_labels == c]
-        members = members[rng.permutation(len(members))]
-        p = _class_proportions(rng, alpha, sizes, cap)
-        cuts = np.clip(np.floor(np.cumsum(p)[:-1] * len(members)).astype(np.int64), 0, len(members))
-        for k, part in enumerate(np.split(members, cuts)):
-            chunks[k].append(part)
-            sizes[k] += len(part)
-    return chunks
-
-
-def make_partition(labels, *, num_clients: int, alpha: float, aux_size: int, min_client_samples: int = 10,
-                   balance_cap: bool = False, train_fraction: float = 0.75, seed: int = 0,
-                   max_redraws: int = 1000) -> Partition:
-    """Splits a pool into the auxiliary set D_s and ``num_clients`` label-skewed clients (method.md section 2).
-
-    1. D_s: ``aux_size`` pool indices drawn uniformly at random without replacement.
-    2. The remaining N samples are partitioned class by class: for each class c (in increasing label order) the
-       class's samples are shuffled, ``p_c ~ Dir(alpha * 1_K)`` is drawn and the samples are cut at
-       ``floor(cumsum(p_c) * n_c)``.  With ``balance_cap=True`` (the PFLlib variant) a client already holding
-       ``>= N / K`` samples gets proportion 0 for the class and the other proportions are renormalised.
-       The whole class-wise draw is repeated until every client holds ``>= min_client_samples`` samples;
-       D_s is drawn once and kept.
-    3. Each client's samples are shuffled and split into ``max(1, min(n - 1, floor(n * train_fraction)))``
-       train samples and the rest as test samples, so every client has at least one of each.
-
-    A single ``numpy.random.default_rng(seed)`` drives every step, so equal arguments give equal partitions.
-
-    Args:
-        labels: integer class labels of the pool, shape ``[n]``.
-        num_clients: K >= 2.
-        alpha: Dirichlet concentration > 0 (small: few classes per client; large: near IID).
-        aux_size: size of D_s, in ``[0, n)``.
-        min_client_samples: smallest allowed client size (train + test), >= 2.
-        balance_cap: use the PFLlib balance cap described above.
-        train_fraction: share of each client's samples used for training, in ``(0, 1)``.
-        seed: seed of the partition generator.
-        max_redraws: number of Dirichlet draws tried before giving up.
-
-    Returns:
-        A :class:`Partition` whose index arrays are sorted ``int64`` pool indices.
-
-    Raises:
-        DataError: for an invalid option, or when no draw satisfies ``min_client_samples``.
-    """
-    labels = np.asarray(labels)
-    if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer):
-        raise DataError(
-            f"labels must be a non-empty 1-D integer array (got shape {labels.shape}, dtype {labels.dtype})")
-    if labels.min() < 0:
-        raise DataError("labels must be >= 0")
-    n = len(labels)
-    num_clients, aux_size, min_client_samples, max_redraws = (
-        int(num_clients), int(aux_size), int(min_client_samples), int(max_redraws))
-    alpha, train_fraction = float(alpha), float(train_fraction)
-    _validate_partition_args(n, num_clients, alpha, aux_size, min_client_samples, train_fraction, max_redraws)
-
-    rng = np.random.default_rng(seed)
-    aux_idx = np.sort(rng.choice(n, size=aux_size, replace=False)).astype(np.int64)
-    in_aux = np.zeros(n, dtype=bool)
-    in_aux[aux_idx] = True
-    rest = np.flatnonzero(~in_aux).astype(np.int64)
-
-    clients = None
-    smallest = 0
-    for _ in range(max_redraws):
-        chunks = _dirichlet_assignment(rng, labels, rest, num_clients, alpha, balance_cap)
-        candidate = [np.concatenate(parts) if parts else np.empty(0, np.int64) for parts in chunks]
-        smallest = min(len(c) for c in candidate)
-        if smallest >= min_client_samples:
-            clients = candidate
-            break
-    if clients is None:
-        raise DataError(
-            f"no partition gave every client >= min_client_samples={min_client_samples} samples in "
-            f"max_redraws={max_redraws} draws (smallest client: {smallest}); lower min_client_samples, "
-            "raise alpha or use fewer clients"
-        )
-
-    train_idx, test_idx = [], []
-    for members in clients:
-        shuffled = members[rng.permutation(len(members))]
-        n_train = max(1, min(len(members) - 1, int(np.floor(len(members) * train_fraction))))
-        train_idx.append(np.sort(shuffled[:n_train]))
-        test_idx.append(np.sort(shuffled[n_train:]))
-    return Partition(aux_idx=aux_idx, train_idx=tuple(train_idx), test_idx=tuple(test_idx), num_clients=num_clients)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Summaries and layout
-# --------------------------------------------------------------------------------------------------------------
-
-
-def partition_summary(partition: Partition, labels: np.ndarray, num_classes: int) -> dict:
-    """JSON-serialisable description of a partition.
-
-    Keys: ``num_clients``, ``aux_size``, ``train_sizes``, ``test_sizes``, ``classes_per_client`` (classes present
-    in each client's train and test data together), ``label_histogram`` (per client, the count of each class
-    over train and test), ``min_train``, ``max_train``, ``mean_train``.
-    """
-    labels = np.asarray(labels)
-    train_sizes = [int(len(t)) for t in partition.train_idx]
-    test_sizes = [int(len(t)) for t in partition.test_idx]
-    histogram = []
-    for train, test in zip(partition.train_idx, partition.test_idx):
-        client_labels = labels[np.concatenate([train, test]).astype(np.int64)]
-        histogram.append([int(v) for v in np.bincount(client_labels, minlength=num_classes)[:num_classes]])
-    return {
-        "num_clients": int(partition.num_clients),
-        "aux_size": int(len(partition.aux_idx)),
-        "train_sizes": train_sizes,
-        "test_sizes": test_sizes,
-        "classes_per_client": [int(sum(1 for v in row if v > 0)) for row in histogram],
-        "label_histogram": histogram,
-        "min_train": int(min(train_sizes)),
-        "max_train": int(max(train_sizes)),
-        "mean_train": float(np.mean(train_sizes)),
-    }
-
-
-def format_summary(summary: dict) -> str:
-    """Renders a :func:`partition_summary` as text: a header, one line per client, and a totals line."""
-    lines = [
-        f"{summary['num_clients']} clients, aux set D_s: {summary['aux_size']} samples",
-        f"{'client':>6} {'train':>7} {'test':>6} {'classes':>7}",
-    ]
-    rows = zip(summary["train_sizes"], summary["test_sizes"], summary["classes_per_client"])
-    for k, (train, test, classes) in enumerate(rows):
-        lines.append(f"{k:>6} {train:>7} {test:>6} {classes:>7}")
-    lines.append(
-        f"train sizes: min {summary['min_train']}, max {summary['max_train']}, mean {summary['mean_train']:.1f}; "
-        f"total train {sum(summary['train_sizes'])}, total test {sum(summary['test_sizes'])}"
-    )
-    return "\n".join(lines)
-
-
-def padded_index_table(index_lists: Sequence, pad_to: int | None = None) -> tuple:
-    """Stacks ragged index lists into a rectangular table for device code.
-
-    Args:
-        index_lists: K sequences of non-negative integer indices.
-        pad_to: width M of the table; defaults to the longest list.  Must be >= the longest list.
-
-    Returns:
-        ``(table, sizes)``: ``table`` is ``int32 [K, M]``, row k holding list k followed by zeros;
-        ``sizes`` is ``int32 [K]``, the true length of each list (use it to mask the padding).
-    """
-    rows = [np.asarray(idx, dtype=np.int64).reshape(-1) for idx in index_lists]
-    if not rows:
-        raise DataError("index_lists must hold at least one list")
-    sizes = np.array([len(r) for r in rows], dtype=np.int64)
-    longest = int(sizes.max())
-    width = longest if pad_to is None else int(pad_to)
-    if width < longest:
-        raise DataError(f"pad_to must be >= the longest list ({longest}); got {pad_to}")
-    for r in rows:
-        if r.size and (r.min() < 0 or r.max() > np.iinfo(np.int32).max):
-            raise DataError("indices must lie in [0, 2**31 - 1] to fit int32")
-    table = np.zeros((len(rows), width), dtype=np.int32)
-    for k, r in enumerate(rows):
-        table[k, : len(r)] = r
-    return table, sizes.astype(np.int32)
 
 
 def normalize(images_uint8):

@@ -16,24 +16,20 @@ PFLlib's FedAvg is the same algorithm (weights n_k; plain SGD).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from pfedkdh_jax.baselines import _common as C
-from pfedkdh_jax.engine import LocalState, LocalTrainer
-from pfedkdh_jax.federated_data import FederatedData
+from pfedkdh_jax.algorithms import common as C
+from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer
 from pfedkdh_jax.model import CNN
-
-PyTree = Any
-
-FedAvgConfig = C.LocalConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class FedAvg:
+class FedAvg(Algorithm):
     """FedAvg over a :class:`CNN`. Static; every method is pure and jittable."""
 
     model: CNN
@@ -42,7 +38,7 @@ class FedAvg:
     name = "fedavg"
 
     def init(self, key: jax.Array, data: FederatedData) -> C.SharedModelState:
-        params = C.init_params(self.model, key, data)
+        params = self.model.init(key, data.input_shape)
         return C.SharedModelState(backbone=params["backbone"], head=params["head"],
                                   round=jnp.zeros((), jnp.int32), num_clients=data.num_clients)
 
@@ -55,31 +51,28 @@ class FedAvg:
         """Mean cross-entropy of one batch (masked)."""
         return C.cross_entropy_loss(self.model)(params, ctx, x, y, mask, rng)
 
-    def context(self, state: C.SharedModelState) -> PyTree:
-        """Nothing beyond the starting point is needed by the local objective."""
-        return None
-
     def client_start(self, state: C.SharedModelState, data: FederatedData, client: jax.Array,
-                     round_key: jax.Array) -> LocalState:
+                     key: jax.Array) -> LocalState:
         """Client ``client`` starts from the global model."""
-        return C.start_from_global(self.trainer, state, data, client, round_key)
+        return C.start_local(self.trainer, {"backbone": state.backbone, "head": state.head}, data, client, key)
 
     # ------------------------------------------------------------------------------ server side
     def server_update(self, state: C.SharedModelState, data: FederatedData, selected: jax.Array,
-                      finals: LocalState, round_key: jax.Array) -> tuple[C.SharedModelState, dict]:
+                      updates: ClientUpdate, key: jax.Array) -> tuple[C.SharedModelState, dict]:
         """w_g ← Σ n_k w_k / Σ n_k over the uploaded full models."""
-        del round_key
-        params = C.average_uploads(finals.params, data, selected)
+        del key
+        params = C.average_uploads(updates.params, data, selected)
         return (state.replace(backbone=params["backbone"], head=params["head"], round=state.round + 1),
-                {"train_loss": C.mean_train_loss(finals)})
+                C.round_metrics(updates))
 
     # ------------------------------------------------------------------------------- evaluation
-    def eval_models(self, state: C.SharedModelState):
-        """The global model for everyone: (θ_g, φ_g broadcast to [K, ...], φ_g)."""
-        return state.backbone, C.broadcast_clients(state.head, state.num_clients), state.head
+    def eval_models(self, state: C.SharedModelState) -> EvalModels:
+        """The global model for everyone: (θ_g, φ_g for every client), global head φ_g."""
+        return EvalModels(backbone=state.backbone, heads=C.broadcast(state.head, state.num_clients),
+                          global_head=state.head)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedAvg:
     """FedAvg with the run's shared budget (no method options)."""
     del args
-    return FedAvg(CNN(num_classes, cfg.dropout), C.local_config(cfg))
+    return FedAvg(CNN(num_classes, cfg.dropout), C.LocalConfig(**C.local_config(cfg)))

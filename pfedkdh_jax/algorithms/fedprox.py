@@ -5,7 +5,7 @@ MLSys 2020.
 
 Client k minimises ``h_k(w) = mean CE(w) + μ/2 · ‖w − w_g‖²`` from the global model w_g, over the
 *full* model w = (θ, φ); everything else (upload, n_k-weighted averaging, evaluation with the global
-model) is FedAvg's (:mod:`pfedkdh_jax.baselines.fedavg`).
+model) is FedAvg's (:mod:`pfedkdh_jax.algorithms.fedavg`).
 
 Hyperparameter (``--method-arg mu=...``):
 
@@ -27,8 +27,8 @@ import dataclasses
 import jax
 
 from pfedkdh_jax import losses
-from pfedkdh_jax.baselines import _common as C
-from pfedkdh_jax.baselines.fedavg import FedAvg
+from pfedkdh_jax.algorithms import common as C
+from pfedkdh_jax.algorithms.fedavg import FedAvg
 from pfedkdh_jax.model import CNN
 
 DEFAULT_MU = 1.0
@@ -59,6 +59,4 @@ class FedProx(FedAvg):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedProx:
     """FedProx with the run's shared budget; ``args['mu']`` is μ."""
-    base = C.local_config(cfg)
-    return FedProx(CNN(num_classes, cfg.dropout),
-                   FedProxConfig(**dataclasses.asdict(base), mu=float(args.get("mu", DEFAULT_MU))))
+    return FedProx(CNN(num_classes, cfg.dropout), FedProxConfig(**C.local_config(cfg), mu=args["mu"]))

@@ -12,7 +12,7 @@ own model on
 where f is the backbone (the 512-d features before the head) and the term is dropped for samples
 whose class has no global prototype yet (all of them in round 1). It then computes its local
 prototypes: the mean feature of each class over its train split with the trained model
-(``client_final``; eval mode, masked: a class the client lacks gets count 0 and prototype 0, never a
+(``client_finish``; eval mode, masked: a class the client lacks gets count 0 and prototype 0, never a
 NaN). The server averages, per class, the local prototypes of the selected clients that hold that
 class, weighted by their class counts |D_k,c| (the paper's aggregation); classes no selected client
 holds keep their previous global prototype.
@@ -46,10 +46,11 @@ import jax.numpy as jnp
 import optax
 
 from pfedkdh_jax import losses
-from pfedkdh_jax.baselines._client_models import broadcast, check_shared_options, put, take
-from pfedkdh_jax.engine import LocalState, LocalTrainer
-from pfedkdh_jax.federated_data import FederatedData, gather_inputs
-from pfedkdh_jax.model import FEATURE_DIM, CNN
+from pfedkdh_jax.algorithms import common as C
+from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.data.device import FederatedData, gather_inputs
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer, mean_loss
+from pfedkdh_jax.model import CNN, FEATURE_DIM
 
 PyTree = Any
 
@@ -57,10 +58,7 @@ PROTO_WEIGHTINGS = ("count", "uniform")
 
 
 @dataclasses.dataclass(frozen=True)
-class FedProtoConfig:
-    lr: float = 0.015
-    batch_size: int = 64
-    local_epochs: int = 2
+class FedProtoConfig(C.LocalConfig):
     lam: float = 1.0                 # λ, weight of the prototype distance
     proto_weighting: str = "count"   # "count" (paper) | "uniform" (authors' code, PFLlib)
 
@@ -93,26 +91,24 @@ def prototype_head(protos: jax.Array, has_proto: jax.Array) -> PyTree:
 
 
 @dataclasses.dataclass(frozen=True)
-class FedProto:
+class FedProto(Algorithm):
     model: CNN
     config: FedProtoConfig = FedProtoConfig()
 
     name = "fedproto"
-    per_client_backbone = True
 
     def init(self, key: jax.Array, data: FederatedData) -> FedProtoState:
         """Every client starts from the same initial model; no global prototypes yet."""
         params = self.model.init(key, data.input_shape)
         c = data.num_classes
-        return FedProtoState(models=broadcast(params, data.num_clients),
+        return FedProtoState(models=C.broadcast(params, data.num_clients),
                              protos=jnp.zeros((c, FEATURE_DIM), jnp.float32),
                              has_proto=jnp.zeros((c,), bool), round=jnp.zeros((), jnp.int32))
 
     @property
     def trainer(self) -> LocalTrainer:
         c = self.config
-        return LocalTrainer(loss_fn=self.local_loss, tx=optax.sgd(c.lr), gather=gather_inputs,
-                            epochs=c.local_epochs, batch_size=c.batch_size)
+        return C.sgd_trainer(self.local_loss, optax.sgd(c.lr), c)
 
     def context(self, state: FedProtoState) -> PyTree:
         """The global prototypes every selected client receives."""
@@ -128,29 +124,28 @@ class FedProto:
         return ce + self.config.lam * losses.masked_mean(dist, mask)
 
     def client_start(self, state: FedProtoState, data: FederatedData, client: jax.Array,
-                     round_key: jax.Array) -> LocalState:
-        return self.trainer.init(take(state.models, client), jax.random.fold_in(round_key, client),
-                                 data.train_n[client], data.max_train)
+                     key: jax.Array) -> LocalState:
+        return C.start_local(self.trainer, C.take(state.models, client), data, client, key)
 
-    def client_final(self, state: FedProtoState, data: FederatedData, client: jax.Array,
-                     local: LocalState, round_key: jax.Array) -> dict:
+    def client_finish(self, state: FedProtoState, data: FederatedData, client: jax.Array,
+                      local: LocalState, key: jax.Array) -> ClientUpdate:
         """The client's trained model and its local prototypes over its whole train split."""
-        del state, round_key
+        del state, key
         rows = data.train_idx[client]
         x, y = gather_inputs(data, rows)
         feats = self.model.features(local.params["backbone"], x)
         valid = jnp.arange(rows.shape[0]) < local.n
         protos, counts = class_prototypes(feats, y, valid, data.num_classes)
-        return {"params": local.params, "protos": protos, "counts": counts,
-                "loss": local.loss_sum / jnp.maximum(local.step, 1)}
+        return ClientUpdate(params=local.params, loss=mean_loss(local), aux={"protos": protos, "counts": counts})
 
     def server_update(self, state: FedProtoState, data: FederatedData, selected: jax.Array,
-                      finals: dict, round_key: jax.Array) -> tuple[FedProtoState, dict]:
+                      updates: ClientUpdate, key: jax.Array) -> tuple[FedProtoState, dict]:
         """Models stay with their clients; only the prototypes are combined."""
-        del round_key
-        protos, has_proto = self.aggregate(state.protos, state.has_proto, finals["protos"], finals["counts"])
-        models = put(state.models, selected, finals["params"])
-        metrics = {"train_loss": jnp.mean(finals["loss"])}
+        del key
+        protos, has_proto = self.aggregate(state.protos, state.has_proto, updates.aux["protos"],
+                                           updates.aux["counts"])
+        models = C.put(state.models, selected, updates.params)
+        metrics = C.round_metrics(updates)
         return state.replace(models=models, protos=protos, has_proto=has_proto,
                              round=state.round + 1), metrics
 
@@ -163,22 +158,15 @@ class FedProto:
         fresh = total > 0
         return jnp.where(fresh[:, None], mean, protos), has_proto | fresh
 
-    def before_training(self, state: FedProtoState, data: FederatedData, key: jax.Array) -> FedProtoState:
-        return state
-
-    def eval_models(self, state: FedProtoState):
-        """(own backbones [K, ...], nearest-prototype heads [K, ...], no global model)."""
+    def eval_models(self, state: FedProtoState) -> EvalModels:
+        """Own backbones with the nearest-prototype rule (``personalized_*``) and with each client's
+        own head (``head_*``); no global model."""
         head = prototype_head(state.protos, state.has_proto)
         k = jax.tree_util.tree_leaves(state.models)[0].shape[0]
-        return state.models["backbone"], broadcast(head, k), None
-
-    def eval_extra_heads(self, state: FedProtoState) -> dict:
-        """Each client's own head on its own features (``head_*`` metrics)."""
-        return {"head": state.models["head"]}
+        return EvalModels(backbone=state.models["backbone"], heads=C.broadcast(head, k),
+                          extra_heads={"head": state.models["head"]}, per_client=True)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedProto:
-    check_shared_options(cfg, "fedproto")
     return FedProto(CNN(num_classes, cfg.dropout), FedProtoConfig(
-        lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, lam=args["lam"],
-        proto_weighting=args["proto_weighting"]))
+        **C.local_config(cfg), lam=args["lam"], proto_weighting=args["proto_weighting"]))

@@ -12,12 +12,9 @@ import json
 import math
 from typing import Any
 
-from pfedkdh_jax.data import DATASETS
-from pfedkdh_jax.methods import METHODS, parse_method_args
+from pfedkdh_jax.algorithms import KD_GATES, KD_TARGETS, METHODS, parse_method_args
+from pfedkdh_jax.data.sources import DATASETS
 PRESETS = ("default", "paper", "smoke")
-# pFedKDH's distillation forms (their meaning: pfedkdh_jax.pfedkdh)
-KD_TARGETS = ("plain", "support", "prior")
-KD_GATES = ("none", "confidence", "correct", "better")
 
 # method.md Table 1: rounds and local epochs per dataset.
 PAPER_SCHEDULE = {"mnist": (50, 2), "fashion_mnist": (50, 2), "cifar10": (50, 3), "cifar100": (70, 5)}
@@ -30,7 +27,7 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     # --- what to run
-    method: str = "pfedkdh"            # federated algorithm (pfedkdh_jax.methods.METHODS)
+    method: str = "pfedkdh"            # federated algorithm (pfedkdh_jax.algorithms.METHODS)
     method_args: tuple = ()            # ((key, value-text), ...): the method's own options (--method-arg)
     dataset: str = "digits"            # digits (offline demo set) | mnist | fashion_mnist | cifar10 | cifar100
     data_dir: str | None = None        # tfds data dir; else $TFDS_DATA_DIR; else tfds's default
@@ -67,7 +64,7 @@ class RunConfig:
     ea_steps: int = 20                 # pFedKDH-EA head-only steps (0 = no EA evaluation)
     ea_lr: float | None = None         # pFedKDH-EA learning rate (None: --lr)
     ea_epochs: int = 0                 # > 0: EA takes this many epochs over the client's train split instead of --ea-steps
-    kd_target: str = "plain"           # distilled teacher distribution: plain | support | prior (pfedkdh.KD_TARGETS)
+    kd_target: str = "plain"           # distilled teacher distribution: plain | support | prior (algorithms.KD_TARGETS)
     kd_gate: str = "none"              # per-sample trust in the teacher: none | confidence | correct | better
     # --- evaluation
     eval_every: int = 1                # Fair evaluation of all clients every N rounds (and the last)
@@ -126,6 +123,16 @@ def _check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _check_method_options(cfg: RunConfig) -> None:
+    """A method-specific run option set away from its default with a method that does not read it."""
+    defaults = RunConfig()
+    for name in sorted({o for spec in METHODS.values() for o in spec.run_options}):
+        if getattr(cfg, name) != getattr(defaults, name) and name not in METHODS[cfg.method].run_options:
+            users = ", ".join(m for m, spec in METHODS.items() if name in spec.run_options)
+            flag = "--average-heads" if name == "persistent_heads" else "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} is an option of {users}; --method {cfg.method} does not use it")
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Raise :class:`ConfigError` for the first invalid option; return ``cfg`` otherwise."""
     for f in dataclasses.fields(cfg):
@@ -159,13 +166,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(0 <= cfg.dropout < 1, f"--dropout must be in [0, 1); got {cfg.dropout}")
     _check(cfg.teacher_epochs >= 0, f"--teacher-epochs must be >= 0; got {cfg.teacher_epochs}")
     _check(cfg.warmup_epochs >= 0, f"--warmup-epochs must be >= 0; got {cfg.warmup_epochs}")
-    _check(cfg.warmup_epochs == 0 or cfg.method == "pfedkdh",
-           f"--warmup-epochs (training on D_s before round 0) applies to pfedkdh only; got "
-           f"{cfg.warmup_epochs} with --method {cfg.method}")
-    for flag, changed in (("--average-heads", not cfg.persistent_heads), ("--kd-target", cfg.kd_target != "plain"),
-                          ("--kd-gate", cfg.kd_gate != "none")):
-        _check(not changed or cfg.method == "pfedkdh",
-               f"{flag} is a pfedkdh option; --method {cfg.method} does not use it")
+    _check_method_options(cfg)
     _check(cfg.ea_steps >= 0, f"--ea-steps must be >= 0; got {cfg.ea_steps}")
     _check(cfg.ea_epochs >= 0, f"--ea-epochs must be >= 0; got {cfg.ea_epochs}")
     _check(cfg.ea_lr is None or cfg.ea_lr > 0, f"--ea-lr must be > 0; got {cfg.ea_lr}")

@@ -1,31 +1,17 @@
-"""Local SGD over padded client data, and the client-parallel strategies that run it.
+"""Local SGD over padded client data: the one training loop every method runs on.
 
 A *local problem* is a loss ``loss_fn(params, ctx, x, y, mask, rng) -> scalar`` minimised by an optax
 transformation over minibatches of one client's samples. The client's samples are a row of pool
 indices ``idx_row [M]`` (padded) with a true size ``n``; every epoch visits them in a fresh random
 order (a permutation of the first ``n`` slots), in ``ceil(n / B)`` batches, the last one partial and
 kept (masked). Steps past a client's own ``epochs · ceil(n / B)`` are no-ops, so clients of different
-sizes share one static shape.
-
-How the work is laid out is an explicit, measured choice (see BENCHMARKS.md):
-
-* ``client_parallel``: ``"vmap"`` runs all selected clients in one batched computation (stacked state,
-  leading client axis ``[C, ...]``); ``"sequential"`` runs them one after another with the same
-  compiled function.
-* ``step_loop``: ``"scan"`` loops the local steps with ``lax.scan`` inside one compiled call;
-  ``"unrolled"`` compiles a chunk of ``chunk_steps`` unrolled steps once and calls it as often as
-  needed, chained on the device without host synchronisation.
-
-On XLA:CPU a convolution inside a while loop is ~15–20× slower than the same steps unrolled, so the CPU
-default is sequential + unrolled; on GPU/TPU the default is vmap + scan, one compiled call per round.
-All forms compute the same numbers (tests check it).
+sizes share one static shape. How the steps of several clients are laid out (vmapped or one after
+another; a scan or unrolled chunks) is :mod:`pfedkdh_jax.engine.layout`'s choice.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 from typing import Any, Callable
 
 import flax.struct as struct
@@ -35,10 +21,6 @@ import optax
 
 PyTree = Any
 GatherFn = Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]
-
-CLIENT_PARALLEL = ("vmap", "sequential")
-STEP_LOOPS = ("scan", "unrolled")
-
 
 @struct.dataclass
 class LocalState:
@@ -155,58 +137,16 @@ class LocalTrainer:
             return self.step(s, ctx, idx_row, source, gate="cond"), None
         return jax.lax.scan(body, state, None, length=num_steps)[0]
 
-    def run(self, state, ctx, idx_row, source, num_steps: int, step_loop: str, chunk_steps: int):
-        """All ``num_steps`` inside one traced program, as a scan or as unrolled chunks."""
+    def run(self, state, ctx, idx_row, source, num_steps: int, step_loop: str):
+        """``num_steps`` steps inside one traced program, as a scan or unrolled."""
         if step_loop == "scan":
             return self.run_scan(state, ctx, idx_row, source, num_steps)
         return self.run_unrolled(state, ctx, idx_row, source, num_steps)
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """How clients and local steps are laid out. ``None`` fields take the backend's default."""
-
-    client_parallel: str | None = None   # "vmap" | "sequential"
-    step_loop: str | None = None         # "scan" | "unrolled"
-    chunk_steps: int = 16                # steps per compiled chunk when step_loop == "unrolled"
-
-    def resolved(self, backend: str | None = None) -> "EngineConfig":
-        backend = backend or jax.default_backend()
-        cpu = backend == "cpu"
-        cfg = dataclasses.replace(
-            self,
-            client_parallel=self.client_parallel or ("sequential" if cpu else "vmap"),
-            step_loop=self.step_loop or ("unrolled" if cpu else "scan"))
-        if cfg.client_parallel not in CLIENT_PARALLEL:
-            raise ValueError(f"client_parallel must be one of {CLIENT_PARALLEL}, got {cfg.client_parallel!r}")
-        if cfg.step_loop not in STEP_LOOPS:
-            raise ValueError(f"step_loop must be one of {STEP_LOOPS}, got {cfg.step_loop!r}")
-        if cfg.chunk_steps < 1:
-            raise ValueError(f"chunk_steps must be >= 1, got {cfg.chunk_steps}")
-        return cfg
-
-
-# XLA:CPU option that turns off its YNNPACK library calls (on by default in jaxlib 0.10).
-_YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
-
-
-def local_training_compiler_options(backend: str | None = None) -> dict | None:
-    """``jax.jit`` compiler options for the compiled calls that take local SGD steps of the CNN.
-
-    On XLA:CPU these calls compile without YNNPACK (``xla_cpu_experimental_ynn_fusion_type`` empty):
-    measured on the 2-core machine, a batch-64 training step ran 1.4× (MNIST) and 2.2× (CIFAR-10)
-    faster without it, while large-batch forward passes (evaluation, the teacher's D_s features) ran
-    up to 3× faster *with* it on MNIST shapes (BENCHMARKS.md, "CPU: XLA's YNNPACK calls"), so those
-    keep XLA's default. ``None`` (XLA's defaults) on other backends, and when the user's
-    ``XLA_FLAGS`` already set the option (theirs wins).
-    """
-    if (backend or jax.default_backend()) != "cpu" or _YNN_OPTION in os.environ.get("XLA_FLAGS", ""):
-        return None
-    return {_YNN_OPTION: ""}
-
-
-def num_chunks(steps: int, chunk_steps: int) -> int:
-    return max(1, math.ceil(steps / chunk_steps))
+def mean_loss(state: LocalState) -> jax.Array:
+    """The mean loss of the steps a client took (0 if none)."""
+    return state.loss_sum / jnp.maximum(state.step, 1)
 
 
 def tree_stack(trees, axis: int = 0):

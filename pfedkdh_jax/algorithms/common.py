@@ -1,0 +1,166 @@
+"""Pieces the methods share: the local budget, states, objectives, optimizers, per-client pytrees.
+
+Parameters are ``{"backbone": θ, "head": φ}`` (:mod:`pfedkdh_jax.model`); optimizers address the two
+parts by these names with :func:`optax.multi_transform`. Per-client pytrees carry a leading client axis
+``[K, ...]``; a round reads and writes only the rows of the selected clients, so the other clients'
+rows stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct as struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from pfedkdh_jax import losses
+from pfedkdh_jax.data.device import FederatedData, gather_inputs
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer
+from pfedkdh_jax.model import CNN
+
+PyTree = Any
+
+# Label prefix tree of the parameter dict: every leaf under "backbone" / "head" gets that label.
+PART_LABELS = {"backbone": "backbone", "head": "head"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalConfig:
+    """The shared local-training budget (method.md Table 1); every method's config extends it."""
+
+    lr: float = 0.015          # client SGD learning rate, no momentum
+    batch_size: int = 64
+    local_epochs: int = 2      # E
+
+
+def local_config(cfg) -> dict:
+    """The shared budget's fields from a :class:`~pfedkdh_jax.run.config.RunConfig`."""
+    return dict(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs)
+
+
+@struct.dataclass
+class SharedModelState:
+    """A server-side model ``(θ_g, φ_g)`` that every client starts from (FedAvg, FedProx, FedBABU)."""
+
+    backbone: PyTree        # θ_g
+    head: PyTree            # φ_g
+    round: jax.Array        # int32 [], rounds completed
+    num_clients: int = struct.field(pytree_node=False)   # K (the global head is every client's model)
+
+
+@struct.dataclass
+class PersonalHeadsState:
+    """A shared backbone and one persistent head per client (FedPer, FedRep)."""
+
+    backbone: PyTree        # θ_g
+    heads: PyTree           # φ_k for every client, [K, ...]
+    round: jax.Array        # int32 [], rounds completed
+
+
+# ------------------------------------------------------------------------------ per-client pytrees
+def broadcast(tree: PyTree, num_clients: int) -> PyTree:
+    """``num_clients`` copies of ``tree`` along a new leading client axis ``[K, ...]``."""
+    return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_clients,) + x.shape), tree)
+
+
+def take(tree: PyTree, client) -> PyTree:
+    """Row ``client`` of every leaf of a ``[K, ...]`` pytree."""
+    return jax.tree_util.tree_map(lambda x: x[client], tree)
+
+
+def put(tree: PyTree, clients: jax.Array, rows: PyTree) -> PyTree:
+    """``tree`` with rows ``clients [C]`` replaced by ``rows [C, ...]`` (all other rows untouched)."""
+    return jax.tree_util.tree_map(lambda x, r: x.at[clients].set(r), tree, rows)
+
+
+def weighted_average(trees: PyTree, weights: jax.Array) -> PyTree:
+    """``Σ_c w_c · tree_c / Σ_c w_c`` over the leading axis ``[C, ...]`` of every leaf."""
+    w = weights.astype(jnp.float32) / jnp.sum(weights.astype(jnp.float32))
+    return jax.tree_util.tree_map(lambda x: jnp.tensordot(w, x, axes=1), trees)
+
+
+def average_uploads(uploads: PyTree, data: FederatedData, selected: jax.Array) -> PyTree:
+    """``Σ n_k w_k / Σ n_k`` over the selected clients (leading axis ``[C, ...]`` of ``uploads``)."""
+    return weighted_average(uploads, data.train_n[selected])
+
+
+def round_metrics(updates) -> dict:
+    """Every method's per-round metrics: the mean local loss and each selected client's."""
+    return {"train_loss": jnp.mean(updates.loss), "client_loss": updates.loss}
+
+
+# ------------------------------------------------------------------------------------ objectives
+def cross_entropy_loss(model: CNN):
+    """``(params, ctx, x, y, mask, rng) -> masked mean CE`` of the full model (ctx unused)."""
+    def loss_fn(params, ctx, x, y, mask, rng):
+        del ctx
+        return losses.masked_mean(losses.cross_entropy(model.logits(params, x, rng=rng), y), mask)
+    return loss_fn
+
+
+def head_loss(model: CNN):
+    """Masked mean CE of a head over precomputed features (``x`` holds the features)."""
+    def loss_fn(head, ctx, z, y, mask, rng):
+        del ctx, rng
+        return losses.masked_mean(losses.cross_entropy(model.logits_from_features(head, z), y), mask)
+    return loss_fn
+
+
+def gather_features(source, idx):
+    """The ``gather`` of a local problem over a ``(features [N, D], labels [N])`` table."""
+    feats, labels = source
+    return feats[idx], labels[idx]
+
+
+def head_trainer(model: CNN, *, lr: float, batch_size: int, epochs: int,
+                 max_steps: int | None = None) -> LocalTrainer:
+    """SGD on a linear head over precomputed features (teacher refit, head adaptation, FedRep)."""
+    return LocalTrainer(loss_fn=head_loss(model), tx=optax.sgd(lr), gather=gather_features,
+                        epochs=epochs, batch_size=batch_size, max_steps=max_steps)
+
+
+def fit_head(trainer: LocalTrainer, head: PyTree, feats: jax.Array, labels: jax.Array,
+             key: jax.Array) -> tuple[PyTree, jax.Array]:
+    """Train ``head`` on all of ``(feats, labels)`` (``lax.scan``: no convolution in the loop)."""
+    if trainer.epochs == 0:
+        return head, jnp.zeros((), jnp.float32)
+    n = feats.shape[0]
+    state = trainer.init(head, key, jnp.asarray(n), n)
+    state = trainer.run_scan(state, None, jnp.arange(n), (feats, labels), trainer.num_steps(n))
+    return state.params, state.loss_sum / jnp.maximum(state.step, 1)
+
+
+# ------------------------------------------------------------------------------------ optimizers
+def by_part(backbone: optax.GradientTransformation,
+            head: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Separate optimizers for the backbone and the head (``optax.multi_transform``)."""
+    return optax.multi_transform({"backbone": backbone, "head": head}, PART_LABELS)
+
+
+def head_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` on the head; the backbone receives exactly zero updates."""
+    return by_part(optax.set_to_zero(), tx)
+
+
+def body_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` on the backbone; the head receives exactly zero updates (it stays bit-identical)."""
+    return by_part(tx, optax.set_to_zero())
+
+
+def sgd_trainer(loss_fn, tx: optax.GradientTransformation, config: LocalConfig,
+                epochs: int | None = None, **kw) -> LocalTrainer:
+    """The engine's local loop over the client's train split with ``tx``."""
+    return LocalTrainer(loss_fn=loss_fn, tx=tx, gather=gather_inputs,
+                        epochs=config.local_epochs if epochs is None else epochs,
+                        batch_size=config.batch_size, **kw)
+
+
+def start_local(trainer: LocalTrainer, params: PyTree, data: FederatedData, client: jax.Array,
+                key: jax.Array, aux: PyTree = None) -> LocalState:
+    """Client ``client``'s local state over its train split, from ``params``; its key is the round
+    key folded with the client index."""
+    return trainer.init(params, jax.random.fold_in(key, client), data.train_n[client], data.max_train,
+                        aux=aux)

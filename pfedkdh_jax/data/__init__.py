@@ -1,0 +1,36 @@
+"""Data: pools (sources and cache), federated partitions, and their layout on the device.
+
+=========================  ==========================================================================
+:mod:`.sources`            ``load_pool`` (tfds ArrayRecord dirs, the ``digits`` demo set), the decoded
+                           cache, ``normalize``, ``DataError``
+:mod:`.partition`          ``make_partition`` (D_s, Dirichlet clients, train/test splits),
+                           ``validation_partition``, summaries, ``padded_index_table``
+:mod:`.device`             ``FederatedData`` (the pool and index tables on the device),
+                           ``build_federated_data``, ``gather_inputs``
+=========================  ==========================================================================
+
+The names below are re-exported; :mod:`.device` (JAX) is imported only when one of its names is used,
+so the CLI's option checks stay free of JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from pfedkdh_jax.data.partition import (Partition, format_summary, make_partition, padded_index_table,
+                                        partition_summary, validation_partition)
+from pfedkdh_jax.data.sources import DATASETS, DataError, Pool, load_pool, normalize, resolve_data_dir
+
+_DEVICE = ("FederatedData", "build_federated_data", "gather_inputs")
+
+__all__ = ["DATASETS", "DataError", "Pool", "Partition", "load_pool", "normalize", "resolve_data_dir",
+           "make_partition", "validation_partition", "partition_summary", "format_summary",
+           "padded_index_table", *_DEVICE]
+
+
+def __getattr__(name: str):
+    if name in _DEVICE:
+        value = getattr(importlib.import_module("pfedkdh_jax.data.device"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pfedkdh_jax.data' has no attribute {name!r}")

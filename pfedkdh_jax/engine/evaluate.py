@@ -1,0 +1,125 @@
+"""An evaluation of any algorithm over all K clients as pure functions: ``make_evaluate(algo, layout)``.
+
+``evaluate_fn = make_evaluate(algo, layout)`` is ``(state, data, key, personalize=False) -> metrics``
+(un-jitted; ``personalize`` is static). It scores the algorithm's :class:`EvalModels`
+(``personalized_*``, ``global_*``, extra heads), and, when the algorithm has a
+:class:`Personalization` and it is due (``always``, or asked for with ``personalize``), adapts every
+client's model first and scores the adapted models too (suffix ``_ea``) or instead (no suffix).
+Features are computed ``data.eval_chunk`` samples at a time with ``lax.map``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pfedkdh_jax.algorithms.base import Algorithm, EvalModels, Personalization
+from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.engine import scoring
+from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.engine.round import LocalProblem, max_local_steps
+
+PyTree = Any
+
+
+def image_problem(p: Personalization, step_loop: str) -> LocalProblem:
+    """The local problem of a personalization that trains on the images."""
+    return LocalProblem(p.trainer, p.start, None, step_loop)
+
+
+def feature_steps(p: Personalization, data: FederatedData) -> int:
+    """Steps of a feature personalization for the largest client (static)."""
+    return max_local_steps(p.trainer, data)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluatePieces:
+    """The pure pieces of an evaluation of ``algo`` with ``layout`` (resolved); calling it evaluates."""
+
+    algo: Algorithm
+    layout: Layout
+
+    # ------------------------------------------------------------------------------- features
+    def features(self, backbone: PyTree, data: FederatedData, flat_idx: jax.Array) -> jax.Array:
+        """Features ``[N, 512]`` of a padded flat index list (``lax.map`` over chunks)."""
+        return scoring.chunked_features(self.algo.model, backbone, data, flat_idx, data.eval_chunk)
+
+    def owned_features(self, backbones: PyTree, data: FederatedData) -> jax.Array:
+        """Features ``[G·c, 512]`` of the owner-grouped test chunks, each from its owner's backbone."""
+        return scoring.owned_features(self.algo.model, backbones, data, data.owned_chunk, data.owned_idx)
+
+    # --------------------------------------------------------------------------------- scores
+    def score(self, models: EvalModels, feats: jax.Array, data: FederatedData) -> dict:
+        """``personalized_*`` (and extra heads) of ``models`` from its test features: shared-backbone
+        features of ``data.test_flat``, or owner-grouped ones with ``models.per_client``; plus
+        ``global_*`` of a ``global_head`` on shared features."""
+        model, k = self.algo.model, data.num_clients
+        if models.per_client:
+            labels, owner = data.labels[data.owned_idx.reshape(-1)], data.owned_slot
+        else:
+            labels, owner = data.labels[data.test_flat], data.test_client
+        global_head = None if models.per_client else models.global_head
+        return scoring.score(model, feats, labels, owner, models.heads, global_head, k, models.extra_heads)
+
+    def score_global_model(self, models: EvalModels, feats: jax.Array, data: FederatedData) -> dict:
+        """``global_*`` of ``models.global_model`` from its features of ``data.test_flat``."""
+        return scoring.score(self.algo.model, feats, data.labels[data.test_flat], data.test_client, None,
+                             models.global_model["head"], data.num_clients)
+
+    # -------------------------------------------------------------------------- personalization
+    def adapt_on_features(self, state, data: FederatedData, key: jax.Array, train_feats: jax.Array):
+        """Every client's adapted parameters ``[K, ...]`` of a personalization on features."""
+        p = self.algo.personalization
+        source = (train_feats, data.labels[data.train_flat])
+        steps = feature_steps(p, data)
+
+        def one(k):
+            local = p.start(state, data, k, key)
+            return p.trainer.run_scan(local, None, data.train_flat_pos[k], source, steps).params
+        return jax.vmap(one)(jnp.arange(data.num_clients))
+
+    def adapt_on_images(self, state, data: FederatedData, key: jax.Array):
+        """Every client's adapted parameters ``[K, ...]`` of a personalization on the images."""
+        p = self.algo.personalization
+        problem = image_problem(p, self.layout.step_loop)
+        finals = problem.clients(state, None, data, jnp.arange(data.num_clients), key,
+                                 max_local_steps(p.trainer, data), self.layout.client_parallel)
+        return finals.params
+
+    def models_features(self, models: EvalModels, data: FederatedData) -> jax.Array:
+        return (self.owned_features(models.backbone, data) if models.per_client
+                else self.features(models.backbone, data, data.test_flat))
+
+    def __call__(self, state, data: FederatedData, key: jax.Array, personalize: bool = False) -> dict:
+        """Every metric of an evaluation (see the module docstring)."""
+        models = self.algo.eval_models(state)
+        feats = self.models_features(models, data)
+        metrics = self.score(models, feats, data)
+        if models.global_model is not None:
+            g = self.features(models.global_model["backbone"], data, data.test_flat)
+            metrics.update(self.score_global_model(models, g, data))
+        p = self.algo.personalization
+        if p is not None and (p.always or personalize):
+            if p.on_features:
+                train_feats = self.features(models.backbone, data, data.train_flat)
+                adapted = p.models(state, self.adapt_on_features(state, data, key, train_feats))
+                m = self.score(adapted, feats, data)   # the shared backbone's test features again
+            else:
+                adapted = p.models(state, self.adapt_on_images(state, data, key))
+                m = self.score(adapted, self.models_features(adapted, data), data)
+            metrics.update(suffixed(m, p.suffix))
+        return metrics
+
+
+def suffixed(metrics: dict, suffix: str) -> dict:
+    """Personalization metrics under their names: ``personalized_*`` + suffix (``global_*`` dropped)."""
+    return {f"{k}{suffix}": v for k, v in metrics.items() if not k.startswith("global_")}
+
+
+def make_evaluate(algo: Algorithm, layout: Layout = Layout()) -> EvaluatePieces:
+    """The evaluation of ``algo`` as a pure function ``(state, data, key, personalize=False) ->
+    metrics`` (un-jitted; mark ``personalize`` static when jitting)."""
+    return EvaluatePieces(algo, layout.resolved())

@@ -1,0 +1,96 @@
+"""A federated round of any algorithm as pure functions: ``make_round(algo, layout)``.
+
+``round_fn = make_round(algo, layout)`` is ``(state, data, selected [C], key) -> (state, metrics)``,
+un-jitted: jit it, vmap it over a repetition axis or shard it inside your own program. Inside, every
+selected client starts (``client_start``), takes all its local steps, and finishes
+(``client_finish``); the updates, stacked ``[C, ...]``, go to ``server_update``. The layout says how:
+clients ``vmap``-ed or one after another (``lax.map``), steps in a ``lax.scan`` or unrolled. Every
+client is given as many steps as the largest client of the federation (``data.train_sizes``, static);
+steps past a client's own are no-ops, so nothing retraces whoever is selected.
+
+The pieces (:class:`RoundPieces`) are pure too; :class:`~pfedkdh_jax.engine.runner.RoundRunner`,
+the CLI's host loop, calls them one by one on layouts where one compiled program per round is not the
+fastest (on XLA:CPU, unrolled chunks of steps called from the host).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate
+from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer
+
+PyTree = Any
+
+
+def max_local_steps(trainer: LocalTrainer, data: FederatedData) -> int:
+    """Steps of the largest client of ``data`` (a static count, from ``data.train_sizes``)."""
+    return int(trainer.num_steps(max(data.train_sizes)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalProblem:
+    """One local problem laid out: how a client starts, trains and finishes (pure pieces).
+
+    The round's problem is the algorithm's (``trainer``, ``client_start``, ``client_finish``); a
+    personalization that trains on the images is another (no finish: its parameters are the result).
+    """
+
+    trainer: LocalTrainer
+    start: Any                      # (state, data, client, key) -> LocalState
+    finish: Any = None              # (state, data, client, local, key) -> ClientUpdate, or None
+    step_loop: str = "scan"
+
+    def train(self, local: LocalState, ctx: PyTree, data: FederatedData, client: jax.Array,
+              num_steps: int) -> LocalState:
+        """``num_steps`` steps of one client over its train row (a scan, or unrolled)."""
+        return self.trainer.run(local, ctx, data.train_idx[client], data, num_steps, self.step_loop)
+
+    def client(self, state, ctx, data: FederatedData, client: jax.Array, key: jax.Array, num_steps: int):
+        """One client from start to finish (its update, or its final local state without a finish)."""
+        local = self.train(self.start(state, data, client, key), ctx, data, client, num_steps)
+        return local if self.finish is None else self.finish(state, data, client, local, key)
+
+    def clients(self, state, ctx, data: FederatedData, clients: jax.Array, key: jax.Array,
+                num_steps: int, client_parallel: str):
+        """Every client of ``clients [C]``, stacked ``[C, ...]``: vmapped, or one after another."""
+        def one(k):
+            return self.client(state, ctx, data, k, key, num_steps)
+        if client_parallel == "vmap":
+            return jax.vmap(one)(clients)
+        return jax.lax.map(one, clients)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundPieces:
+    """The pure pieces of a round of ``algo`` with ``layout`` (resolved); calling it is the round."""
+
+    algo: Algorithm
+    layout: Layout
+
+    @property
+    def problem(self) -> LocalProblem:
+        a = self.algo
+        return LocalProblem(a.trainer, a.client_start, a.client_finish, self.layout.step_loop)
+
+    def updates(self, state, data: FederatedData, selected: jax.Array, key: jax.Array) -> ClientUpdate:
+        """Every selected client's :class:`ClientUpdate`, stacked ``[C, ...]``."""
+        p = self.problem
+        return p.clients(state, self.algo.context(state), data, selected, key,
+                         max_local_steps(p.trainer, data), self.layout.client_parallel)
+
+    def __call__(self, state, data: FederatedData, selected: jax.Array, key: jax.Array):
+        """One round: ``(state, data, selected [C], key) -> (state, metrics)``."""
+        updates = self.updates(state, data, selected, key)
+        return self.algo.server_update(state, data, selected, updates, key)
+
+
+def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:
+    """The round of ``algo`` as a pure function ``(state, data, selected, key) -> (state, metrics)``
+    (un-jitted). ``layout`` fields left ``None`` take the default backend's choice."""
+    return RoundPieces(algo, layout.resolved())

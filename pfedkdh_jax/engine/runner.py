@@ -1,0 +1,298 @@
+"""The host loop that runs rounds and evaluations of any algorithm: :class:`RoundRunner`.
+
+It compiles the pure pieces of :mod:`pfedkdh_jax.engine.round` and :mod:`pfedkdh_jax.engine.evaluate`
+once each and calls them in the plan the layout asks for, chaining device values without host
+synchronisation:
+
+* ``vmap`` + ``scan``: the whole round is one compiled call (the pure round itself);
+* ``vmap`` + ``unrolled``: start all selected clients, call a compiled chunk of ``chunk_steps`` steps
+  as often as the largest selected client needs (its last steps one at a time), finish them, update;
+* ``sequential``: the same client by client, with one compiled function per piece reused by every
+  client, then the updates stacked for the server.
+
+Evaluations follow the same layout (features in compiled chunks or one ``lax.map``). ``traces`` counts
+how often each piece was traced, so tests can assert that nothing recompiles after the first round.
+
+With ``reps=R`` every piece is additionally ``vmap``-ed over a leading repetition axis ``[R, ...]``
+(states, selected clients ``[R, C]``, keys ``[R]``; the data are shared), so R Monte Carlo
+repetitions run as one program, whatever the method. With a ``mesh``, that axis (or else the client
+axis of the one-call round) is split over the mesh's devices.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pfedkdh_jax.algorithms.base import Algorithm
+from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.engine import scoring
+from pfedkdh_jax.engine.evaluate import image_problem, make_evaluate, suffixed
+from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer, tree_stack
+from pfedkdh_jax.engine.round import LocalProblem, make_round, max_local_steps
+from pfedkdh_jax.engine.sharding import leading_axis_sharding, per_device, replicated
+
+PyTree = Any
+
+
+def sample_schedule(key: jax.Array, num_rounds: int, num_clients: int, per_round: int) -> np.ndarray:
+    """Selected clients of every round ``[T, C]``: uniformly, without replacement (host copy)."""
+    def one(r):
+        return jax.random.choice(jax.random.fold_in(key, r), num_clients, (per_round,), replace=False)
+    return np.asarray(jax.vmap(one)(jnp.arange(num_rounds)), dtype=np.int32)
+
+
+class _ClientCalls:
+    """Compiled pieces of one local problem for the host plans (per client, or all vmapped).
+
+    ``prefix`` tells the round's problem ("") from a personalization's in ``traces``.
+    """
+
+    def __init__(self, compiled, layout: Layout, problem: LocalProblem, sizes: np.ndarray, prefix: str):
+        self.layout, self.problem, self.sizes = layout, problem, sizes
+        self.max_steps = int(problem.trainer.num_steps(int(sizes.max())))
+        train, finish = problem.train, problem.finish
+        vstart = jax.vmap(problem.start, in_axes=(None, None, 0, None))
+        vtrain = jax.vmap(train, in_axes=(0, None, None, 0, None))
+        self.start_one = compiled(f"{prefix}client_start", problem.start, (0, None, 0, 0))
+        self.start_all = compiled(f"{prefix}client_start_vmap", vstart, (0, None, 0, 0))
+        ctx_axes = (0, 0, None, 0)
+        if layout.step_loop == "scan":
+            m = self.max_steps
+            self.train_one = compiled(f"{prefix}train_scan", lambda s, c, d, k: train(s, c, d, k, m),
+                                      ctx_axes, steps=True)
+            self.train_all = compiled(f"{prefix}train_scan_vmap", lambda s, c, d, k: vtrain(s, c, d, k, m),
+                                      ctx_axes, steps=True)
+        else:
+            n = layout.chunk_steps
+            self.train_one = compiled(f"{prefix}train_chunk", lambda s, c, d, k: train(s, c, d, k, n),
+                                      ctx_axes, steps=True)
+            self.train_all = compiled(f"{prefix}train_chunk_vmap", lambda s, c, d, k: vtrain(s, c, d, k, n),
+                                      ctx_axes, steps=True)
+            # a client's last (steps mod chunk) steps, one at a time: no chunk computes idle steps
+            self.step_one = compiled(f"{prefix}train_step", lambda s, c, d, k: train(s, c, d, k, 1),
+                                     ctx_axes, steps=True)
+            self.step_all = compiled(f"{prefix}train_step_vmap", lambda s, c, d, k: vtrain(s, c, d, k, 1),
+                                     ctx_axes, steps=True)
+        if finish is not None:
+            self.finish_one = compiled(f"{prefix}client_finish", finish, (0, None, 0, 0, 0))
+            self.finish_all = compiled(f"{prefix}client_finish_vmap",
+                                       jax.vmap(finish, in_axes=(None, None, 0, 0, None)), (0, None, 0, 0, 0))
+
+    def calls(self, clients: np.ndarray) -> tuple[int, int]:
+        """(chunk calls, single-step calls) for the largest of ``clients`` (one call with a scan)."""
+        if self.layout.step_loop == "scan":
+            return 1, 0
+        steps = int(self.problem.trainer.num_steps(int(self.sizes[np.ravel(clients)].max())))
+        return divmod(steps, self.layout.chunk_steps)
+
+    def run_all(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place):
+        """Every one of ``clients`` (host ints ``[C]``, or ``[R, C]``) vmapped: stacked results."""
+        sel = place(jnp.asarray(clients, jnp.int32))
+        local = self.start_all(state, data, sel, key)
+        chunks, steps = self.calls(clients)
+        for _ in range(chunks):
+            local = self.train_all(local, ctx, data, sel)
+        for _ in range(steps):
+            local = self.step_all(local, ctx, data, sel)
+        return local if self.problem.finish is None else self.finish_all(state, data, sel, local, key)
+
+    def run_each(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place):
+        """Every one of ``clients`` one after another (one per repetition at a time with ``[R, C]``)."""
+        clients = np.asarray(clients)
+        out = []
+        for c in range(clients.shape[-1]):
+            k = clients[..., c]
+            kk = place(jnp.asarray(k, jnp.int32))
+            local = self.start_one(state, data, kk, key)
+            chunks, steps = self.calls(k)
+            for _ in range(chunks):
+                local = self.train_one(local, ctx, data, kk)
+            for _ in range(steps):
+                local = self.step_one(local, ctx, data, kk)
+            out.append(local if self.problem.finish is None else self.finish_one(state, data, kk, local, key))
+        return out
+
+
+class RoundRunner:
+    """Compiled round and evaluation pieces of one algorithm on one data layout (module docstring)."""
+
+    def __init__(self, algo: Algorithm, data: FederatedData, layout: Layout = Layout(), *,
+                 reps: int | None = None, mesh: jax.sharding.Mesh | None = None):
+        self.algo, self.reps, self.mesh = algo, reps, mesh
+        self.layout = layout.resolved()
+        self.round_fn = make_round(algo, self.layout)
+        self.evaluate_fn = make_evaluate(algo, self.layout)
+        self.traces: collections.Counter = collections.Counter()
+        sizes = np.asarray(data.train_sizes)
+        multi = mesh is not None and mesh.size > 1
+        # the repetition axis is sharded over the mesh when it divides evenly
+        self.rep_sharding = leading_axis_sharding(mesh) if multi and reps and reps % mesh.size == 0 else None
+        shard_clients = multi and reps is None
+        train_options = local_training_compiler_options()
+
+        def compiled(name, fn, axes, steps=False):
+            """``fn`` jitted (and vmapped over repetitions, ``axes`` saying which arguments carry the
+            axis); pieces that take local SGD steps compile with the local-training options."""
+            if reps is not None:
+                fn = jax.vmap(fn, in_axes=axes)
+                if self.rep_sharding is not None:
+                    fn = per_device(fn, mesh, axes)
+
+            def wrapper(*args):
+                self.traces[name] += 1
+                return fn(*args)
+            return jax.jit(wrapper, compiler_options=train_options if steps else None)
+
+        # --- rounds
+        rf = self.round_fn
+        self._clients = _ClientCalls(compiled, self.layout, rf.problem, sizes, "")
+        self._context = compiled("context", algo.context, (0,))
+        self._server = compiled("server_update", algo.server_update, (0, None, 0, 0, 0))
+        self._stack = jax.jit(lambda xs: tree_stack(xs, axis=0 if reps is None else 1))
+
+        def fused(state, data, selected, key):
+            updates = rf.updates
+            if shard_clients and selected.shape[0] % mesh.size == 0:
+                updates = per_device(updates, mesh, (None, None, 0, None))
+            return algo.server_update(state, data, selected, updates(state, data, selected, key), key)
+        self._fused = compiled("round", fused, (0, None, 0, 0), steps=True)
+
+        # --- evaluation
+        ev, model = self.evaluate_fn, algo.model
+        self._models = compiled("eval_models", algo.eval_models, (0,))
+        self._features_chunk = compiled(
+            "features_chunk", lambda b, d, idx: scoring.features_of(model, b, d, idx), (0, None, None))
+        self._features_scan = compiled("features_scan", ev.features, (0, None, None))
+        self._owned_chunk = compiled(
+            "owned_features_chunk",
+            lambda b, d, g: scoring.owned_features_of(model, b, d, d.owned_chunk[g], d.owned_idx[g]),
+            (0, None, None))
+        self._owned_scan = compiled("owned_features_scan", ev.owned_features, (0, None))
+        self._score = compiled("score", ev.score, (0, 0, None))
+        self._score_global = compiled("score_global", ev.score_global_model, (0, 0, None))
+        self._score_personal = compiled("score_personalized", ev.score, (0, 0, None))
+        p = algo.personalization
+        if p is not None and p.on_features:
+            self._adapt = compiled("personalize_on_features",
+                                   lambda s, d, k, f: p.models(s, ev.adapt_on_features(s, d, k, f)), (0, None, 0, 0))
+        elif p is not None:
+            self._personal = _ClientCalls(compiled, self.layout, image_problem(p, self.layout.step_loop),
+                                          sizes, "personalize_")
+            self._personal_models = compiled("personalized_models", p.models, (0, 0))
+            self._personal_fused = compiled(
+                "personalize", lambda s, d, k: p.models(s, ev.adapt_on_images(s, d, k)), (0, None, 0), steps=True)
+
+    @property
+    def fused(self) -> bool:
+        return self.layout.client_parallel == "vmap" and self.layout.step_loop == "scan"
+
+    # ------------------------------------------------------------------------------- training
+    def round(self, state, data: FederatedData, selected: np.ndarray, key: jax.Array):
+        """One federated round over the clients ``selected`` (host ints ``[C]``, or ``[R, C]`` with
+        repetitions; ``key`` then ``[R]``). Returns device values without synchronising."""
+        selected = np.asarray(selected)
+        sel = self.place(jnp.asarray(selected, jnp.int32))
+        key = self.place(key)
+        state = self._pin(state)
+        if self.fused:
+            return self._fused(state, data, sel, key)
+        ctx = self._context(state)
+        if self.layout.client_parallel == "vmap":
+            updates = self._clients.run_all(state, ctx, data, selected, key, self.place)
+        else:
+            updates = self._stack(self._clients.run_each(state, ctx, data, selected, key, self.place))
+        return self._server(state, data, sel, updates, key)
+
+    def prepare(self, state, data: FederatedData, key: jax.Array):
+        """The algorithm's ``before_training`` (one repetition's state, no repetition axis)."""
+        return self.algo.before_training(state, data, key, self.train)
+
+    def train(self, trainer: LocalTrainer, local: LocalState, ctx, row: jax.Array, source) -> LocalState:
+        """Every step of one local problem, laid out as a client's round is (the service given to
+        ``before_training``; compiled on each call: it runs once per run)."""
+        steps = int(trainer.num_steps(int(local.n)))
+        opts = local_training_compiler_options()
+        if self.layout.step_loop == "scan":
+            return jax.jit(lambda s, c, r, src: trainer.run_scan(s, c, r, src, steps),
+                           compiler_options=opts)(local, ctx, row, source)
+        chunk, single = divmod(steps, self.layout.chunk_steps)
+        run = jax.jit(lambda s, c, r, src: trainer.run_unrolled(s, c, r, src, self.layout.chunk_steps),
+                      compiler_options=opts)
+        for _ in range(chunk):
+            local = run(local, ctx, row, source)
+        one = jax.jit(lambda s, c, r, src: trainer.run_unrolled(s, c, r, src, 1), compiler_options=opts)
+        for _ in range(single):
+            local = one(local, ctx, row, source)
+        return local
+
+    def _pin(self, state):
+        """On a mesh without a sharded repetition axis, keep the state replicated, so every round
+        sees the same input sharding (and nothing recompiles after the first)."""
+        if self.mesh is None or self.rep_sharding is not None or self.mesh.size == 1:
+            return state
+        return jax.device_put(state, replicated(self.mesh))
+
+    def place(self, tree):
+        """Put a repetition-batched value (state, keys, selections) on the repetition sharding."""
+        return tree if self.rep_sharding is None else jax.device_put(tree, self.rep_sharding)
+
+    # ----------------------------------------------------------------------------- evaluation
+    def features(self, backbone, data: FederatedData, flat_idx: jax.Array) -> jax.Array:
+        """Features of a padded flat index list, in compiled chunks (or one ``lax.map``)."""
+        if self.layout.step_loop == "scan":
+            return self._features_scan(backbone, data, flat_idx)
+        c = data.eval_chunk
+        parts = [self._features_chunk(backbone, data, flat_idx[i:i + c]) for i in range(0, flat_idx.shape[0], c)]
+        return jnp.concatenate(parts, axis=0 if self.reps is None else 1)
+
+    def test_features(self, models, data: FederatedData) -> jax.Array:
+        """Test features of ``models``: shared-backbone ones, or owner-grouped with per-client backbones."""
+        if not models.per_client:
+            return self.features(models.backbone, data, data.test_flat)
+        if self.layout.step_loop == "scan":
+            return self._owned_scan(models.backbone, data)
+        parts = [self._owned_chunk(models.backbone, data, jnp.int32(g)) for g in range(data.owned_idx.shape[0])]
+        return jnp.concatenate(parts, axis=0 if self.reps is None else 1)
+
+    def evaluate(self, state, data: FederatedData, key: jax.Array, *, personalize: bool = False) -> dict:
+        """Every metric of an evaluation of all K clients, as device values (see
+        :mod:`pfedkdh_jax.engine.evaluate`); ``personalize`` asks for a personalization that does not
+        run at every evaluation (pFedKDH-EA)."""
+        key = self.place(key)
+        models = self._models(state)
+        feats = self.test_features(models, data)
+        metrics = self._score(models, feats, data)
+        if models.global_model is not None:
+            g = self.features(models.global_model["backbone"], data, data.test_flat)
+            metrics.update(self._score_global(models, g, data))
+        p = self.algo.personalization
+        if p is not None and (p.always or personalize):
+            if p.on_features:
+                train_feats = self.features(models.backbone, data, data.train_flat)
+                m = self._score_personal(self._adapt(state, data, key, train_feats), feats, data)
+            else:
+                adapted = self._adapt_on_images(state, data, key)
+                m = self._score_personal(adapted, self.test_features(adapted, data), data)
+            metrics.update(suffixed(m, p.suffix))
+        return metrics
+
+    def _adapt_on_images(self, state, data: FederatedData, key: jax.Array):
+        """The personalized models after the personalization's local problem for all K clients."""
+        if self.fused:
+            return self._personal_fused(state, data, key)
+        k = data.num_clients
+        everyone = np.arange(k) if self.reps is None else np.broadcast_to(np.arange(k), (self.reps, k))
+        if self.layout.client_parallel == "vmap":
+            finals = self._personal.run_all(state, None, data, everyone, key, self.place)
+        else:
+            finals = self._stack(self._personal.run_each(state, None, data, everyone, key, self.place))
+        return self._personal_models(state, finals.params)
+
+
+__all__ = ["RoundRunner", "sample_schedule", "max_local_steps"]

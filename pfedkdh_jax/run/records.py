@@ -1,0 +1,150 @@
+"""What a run writes: per-round rows (repetitions combined), summaries, divergence checks, the
+environment, atomic files. Host-side Python only."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+from typing import Any
+
+import jax
+import numpy as np
+
+METRIC_KEYS = ("personalized_macro_accuracy", "personalized_micro_accuracy",
+               "global_macro_accuracy", "global_micro_accuracy")
+
+
+EA_KEYS = tuple(f"{k}_ea" for k in METRIC_KEYS[:2])
+
+
+def host_arrays(metrics: dict) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
+
+
+def plain(arrays: dict) -> dict[str, Any]:
+    return {k: float(v) if np.ndim(v) == 0 else [float(x) for x in np.ravel(v)] for k, v in arrays.items()}
+
+
+def combine(rep_rows: list[dict]) -> dict[str, Any]:
+    """One metrics row from the repetitions' rows: the mean under each key, ``<key>_std`` the std."""
+    if len(rep_rows) == 1:
+        return dict(rep_rows[0])
+    row: dict[str, Any] = {"round": rep_rows[0]["round"]}
+    for key, value in rep_rows[0].items():
+        if isinstance(value, float):
+            vals = np.array([r[key] for r in rep_rows], np.float64)
+            row[key] = float(vals.mean())
+            row[f"{key}_std"] = float(vals.std())
+    row["reps"] = rep_rows
+    return row
+
+
+def divergence(row: dict, max_loss: float) -> str | None:
+    """What went wrong in a round's row (non-finite or exploding values), naming the clients."""
+    losses = row.get("client_loss")
+    if isinstance(losses, list):
+        bad = [c for c, v in zip(row["clients"], losses) if not math.isfinite(v)]
+        if bad:
+            return f"non-finite local loss of client(s) {', '.join(map(str, bad))}"
+        big = [f"{c} ({v:.3g})" for c, v in zip(row["clients"], losses) if max_loss and v > max_loss]
+        if big:
+            return f"local loss above --divergence-loss {max_loss:g} for client(s) {', '.join(big)}"
+    if row.get("finite_params", 1.0) != 1.0:
+        return "non-finite global parameters"
+    bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+    return f"non-finite {', '.join(bad)}" if bad else None
+
+
+def postfix(row: dict) -> dict:
+    short = {"personalized_macro_accuracy": "pers", "global_macro_accuracy": "glob",
+             "personalized_macro_accuracy_ea": "ea", "train_loss": "loss"}
+    pf = {v: f"{row[k]:.4f}" for k, v in short.items() if k in row}
+    pf["s/round"] = f"{row['seconds']:.1f}"
+    return pf
+
+
+def progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="rounds", unit="round", disable=not enabled, dynamic_ncols=True)
+
+
+def environment() -> dict[str, Any]:
+    """Library versions, backend, devices and the git commit (if any), for reproducibility."""
+    import platform
+    import subprocess
+
+    import flax
+    import optax
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+            "numpy": np.__version__, "python": platform.python_version(),
+            "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+            "device_count": jax.device_count(), "git_commit": commit}
+
+
+def summary(cfg, history: list[dict], part_summary: dict, runner,
+             status: str) -> dict[str, Any]:
+    """Final and best of every metric; with repetitions, their mean (``<key>_std``: std) and the
+    per-repetition summaries under ``repetitions``."""
+    summary: dict[str, Any] = {"method": cfg.method, "dataset": cfg.dataset, "alpha": cfg.alpha,
+                               "seed": cfg.seed, "data_seed": cfg.data_seed, "reps": cfg.reps,
+                               "status": status, "rounds_completed": len(history)}
+    if history and "reps" in history[0]:
+        per_rep = [metric_summary([row["reps"][r] for row in history]) for r in range(len(history[0]["reps"]))]
+        for key in per_rep[0]:
+            vals = [p[key] for p in per_rep if isinstance(p.get(key), float)]
+            if vals and not key.endswith("_round"):
+                summary[key] = float(np.mean(vals))
+                summary[f"{key}_std"] = float(np.std(vals))
+        summary["repetitions"] = [{"seed": cfg.seed + r, **p} for r, p in enumerate(per_rep)]
+    else:
+        summary.update(metric_summary(history))
+    secs = [r["train_seconds"] for r in history]
+    later = secs[1:] or secs
+    summary["seconds_per_round"] = statistics.median(later) if later else None
+    summary["train_seconds_per_round"] = summary["seconds_per_round"]
+    summary["eval_seconds_median"] = statistics.median([r["eval_seconds"] for r in history[1:]] or [0.0])
+    summary["first_round_seconds"] = secs[0] if secs else None
+    summary["compile_seconds"] = max(0.0, secs[0] - summary["seconds_per_round"]) if secs else None
+    summary["engine"] = dataclasses.asdict(runner.layout)
+    summary["traces"] = dict(runner.traces)
+    summary["partition"] = part_summary
+    return summary
+
+
+def metric_summary(history: list[dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    evaluated = [r for r in history if "personalized_macro_accuracy" in r]
+    for key in METRIC_KEYS + EA_KEYS:
+        rows = [r for r in evaluated if key in r and math.isfinite(r[key])]
+        if rows:
+            out[key] = rows[-1][key]
+            out[f"best_{key}"] = max(r[key] for r in rows)
+            out[f"best_{key}_round"] = max(rows, key=lambda r: r[key])["round"]
+    if evaluated:
+        final = evaluated[-1]
+        out["per_client_personalized_accuracy"] = final.get("personalized_per_client_accuracy")
+        if "personalized_per_client_accuracy_ea" in final:
+            out["per_client_personalized_accuracy_ea"] = final["personalized_per_client_accuracy_ea"]
+    if history:
+        out["final_train_loss"] = history[-1].get("train_loss")
+    return out
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file + rename)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: str, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str))
