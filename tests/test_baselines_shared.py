@@ -366,7 +366,7 @@ def test_per_client_scoring_matches_the_shared_scoring(tiny, trained):
     k = data.num_clients
     own = EvalModels(backbone=C.broadcast(state.backbone, k), heads=C.broadcast(state.head, k), per_client=True)
     pieces = make_evaluate(algo, Layout("vmap", "scan"))
-    got = jax.jit(lambda m, d: pieces.score(m, pieces.models_features(m, d), d))(own, data)
+    got = jax.jit(lambda m, d: pieces.score(m, pieces.test_features(m, d), d))(own, data)
     for key, value in got.items():
         np.testing.assert_allclose(value, shared[key], atol=1e-6, err_msg=key)
 

@@ -60,6 +60,20 @@ class PersonalHeadsState:
     round: jax.Array        # int32 [], rounds completed
 
 
+@struct.dataclass
+class PersonalModelsState:
+    """A global model and one whole personal model per client (Ditto, pFedMe)."""
+
+    params: PyTree          # w: the global model {"backbone", "head"}
+    personal: PyTree        # every client's personal model, [K, ...]
+    round: jax.Array        # int32 [], rounds completed
+
+    @classmethod
+    def create(cls, params: PyTree, num_clients: int) -> "PersonalModelsState":
+        """The global model ``params`` and every personal model a copy of it."""
+        return cls(params=params, personal=broadcast(params, num_clients), round=jnp.zeros((), jnp.int32))
+
+
 # ------------------------------------------------------------------------------ per-client pytrees
 def broadcast(tree: PyTree, num_clients: int) -> PyTree:
     """``num_clients`` copies of ``tree`` along a new leading client axis ``[K, ...]``."""

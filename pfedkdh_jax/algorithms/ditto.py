@@ -35,9 +35,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import flax.struct as struct
 import jax
-import jax.numpy as jnp
 import optax
 
 from pfedkdh_jax import losses
@@ -55,11 +53,7 @@ class DittoConfig(C.LocalConfig):
     lam: float = 1.0           # λ, weight of the proximal term of the personal objective
 
 
-@struct.dataclass
-class DittoState:
-    params: PyTree     # w: the global model {"backbone", "head"}
-    personal: PyTree   # v_k: every client's personal model, [K, ...]
-    round: jax.Array   # int32 [], rounds completed
+DittoState = C.PersonalModelsState  # personal: v_k: every client's personal model, [K, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +66,7 @@ class Ditto(Algorithm):
     def init(self, key: jax.Array, data: FederatedData) -> DittoState:
         """w⁰ from ``key``; every personal model starts as w⁰."""
         params = self.model.init(key, data.input_shape)
-        return DittoState(params=params, personal=C.broadcast(params, data.num_clients),
-                          round=jnp.zeros((), jnp.int32))
+        return DittoState.create(params, data.num_clients)
 
     @property
     def trainer(self) -> LocalTrainer:

@@ -38,18 +38,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.base import (
-    Algorithm,
-    ClientUpdate,
-    EvalModels,
-    Personalization,
-)
+from pfedkdh_jax.algorithms.base import ClientUpdate, EvalModels, Personalization
+from pfedkdh_jax.algorithms.fedavg import FedAvg
 from pfedkdh_jax.data.device import FederatedData
-from pfedkdh_jax.engine.local import LocalState, LocalTrainer
+from pfedkdh_jax.engine.local import LocalTrainer
 from pfedkdh_jax.model import CNN
 
 DEFAULT_FINETUNE_EPOCHS = 5
@@ -70,46 +65,27 @@ class FedBABUConfig(C.LocalConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class FedBABU(Algorithm):
-    """FedBABU over a :class:`CNN`. Static; every method is pure and jittable."""
+class FedBABU(FedAvg):
+    """FedBABU over a :class:`CNN`: FedAvg's state, client start and evaluation models (the global
+    model (θ_g, φ⁰) for everyone: the ``global_*`` metrics), a body-only local problem, a body-only
+    server step, and fine-tuning as its personalization (the ``personalized_*`` metrics)."""
 
-    model: CNN
     config: FedBABUConfig = FedBABUConfig()
 
     name = "fedbabu"
 
-    def init(self, key: jax.Array, data: FederatedData) -> C.SharedModelState:
-        """θ_g⁰ and the shared, frozen head φ⁰ from ``key``."""
-        params = self.model.init(key, data.input_shape)
-        return C.SharedModelState(backbone=params["backbone"], head=params["head"],
-                                  round=jnp.zeros((), jnp.int32), num_clients=data.num_clients)
-
-    # ------------------------------------------------------------------------------ client side
     @property
     def trainer(self) -> LocalTrainer:
-        """Body update only: the head gets exactly zero updates."""
+        """Body update only: the head gets exactly zero updates (φ⁰ stays bit-identical)."""
         return C.sgd_trainer(C.cross_entropy_loss(self.model), C.body_only(optax.sgd(self.config.lr)),
                              self.config)
 
-    def client_start(self, state: C.SharedModelState, data: FederatedData, client: jax.Array,
-                     key: jax.Array) -> LocalState:
-        """Client ``client`` starts from (θ_g, φ⁰)."""
-        return C.start_local(self.trainer, {"backbone": state.backbone, "head": state.head}, data, client, key)
-
-    # ------------------------------------------------------------------------------ server side
     def server_update(self, state: C.SharedModelState, data: FederatedData, selected: jax.Array,
                       updates: ClientUpdate, key: jax.Array) -> tuple[C.SharedModelState, dict]:
         """θ_g ← Σ n_k θ_k / Σ n_k; the head is not uploaded (it is φ⁰ everywhere)."""
         del key
         backbone = C.average_uploads(updates.params["backbone"], data, selected)
         return state.replace(backbone=backbone, round=state.round + 1), C.round_metrics(updates)
-
-    # ------------------------------------------------------------------------------- evaluation
-    def eval_models(self, state: C.SharedModelState) -> EvalModels:
-        """The un-fine-tuned global model (θ_g, φ⁰) for everyone; the personalization (fine-tuning)
-        replaces the personalized accuracies."""
-        return EvalModels(backbone=state.backbone, heads=C.broadcast(state.head, state.num_clients),
-                          global_head=state.head)
 
     @property
     def personalization(self) -> Personalization | None:

@@ -34,12 +34,7 @@ import optax
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms import KD_GATES, KD_TARGETS
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.base import (
-    Algorithm,
-    ClientUpdate,
-    EvalModels,
-    Personalization,
-)
+from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels, Personalization
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
 from pfedkdh_jax.model import CNN

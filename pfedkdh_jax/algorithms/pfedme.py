@@ -42,9 +42,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import flax.struct as struct
 import jax
-import jax.numpy as jnp
 import optax
 
 from pfedkdh_jax import losses
@@ -65,11 +63,7 @@ class PFedMeConfig(C.LocalConfig):  # lr: η, the local model's learning rate
     beta: float = 1.0          # β, server mixing (1 = weighted average)
 
 
-@struct.dataclass
-class PFedMeState:
-    params: PyTree     # w: the global model {"backbone", "head"}
-    personal: PyTree   # θ_k: every client's last personalized model, [K, ...]
-    round: jax.Array   # int32 [], rounds completed
+PFedMeState = C.PersonalModelsState  # personal: θ_k: every client's last personalized model, [K, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +75,7 @@ class PFedMe(Algorithm):
 
     def init(self, key: jax.Array, data: FederatedData) -> PFedMeState:
         params = self.model.init(key, data.input_shape)
-        return PFedMeState(params=params, personal=C.broadcast(params, data.num_clients),
-                           round=jnp.zeros((), jnp.int32))
+        return PFedMeState.create(params, data.num_clients)
 
     @property
     def trainer(self) -> LocalTrainer:

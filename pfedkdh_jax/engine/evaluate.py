@@ -89,29 +89,48 @@ class EvaluatePieces:
                                  max_local_steps(p.trainer, data), self.layout.client_parallel)
         return finals.params
 
-    def models_features(self, models: EvalModels, data: FederatedData) -> jax.Array:
+    def test_features(self, models: EvalModels, data: FederatedData) -> jax.Array:
+        """Test features of ``models``: shared-backbone ones, or owner-grouped per-client ones."""
         return (self.owned_features(models.backbone, data) if models.per_client
                 else self.features(models.backbone, data, data.test_flat))
 
+    # the operations :func:`evaluation` composes (the runner supplies compiled ones)
+    def models(self, state) -> EvalModels:
+        return self.algo.eval_models(state)
+
+    score_personal = score
+
+    def adapted_on_features(self, state, data: FederatedData, key: jax.Array, train_feats: jax.Array):
+        return self.algo.personalization.models(state, self.adapt_on_features(state, data, key, train_feats))
+
+    def adapted_on_images(self, state, data: FederatedData, key: jax.Array):
+        return self.algo.personalization.models(state, self.adapt_on_images(state, data, key))
+
     def __call__(self, state, data: FederatedData, key: jax.Array, personalize: bool = False) -> dict:
         """Every metric of an evaluation (see the module docstring)."""
-        models = self.algo.eval_models(state)
-        feats = self.models_features(models, data)
-        metrics = self.score(models, feats, data)
-        if models.global_model is not None:
-            g = self.features(models.global_model["backbone"], data, data.test_flat)
-            metrics.update(self.score_global_model(models, g, data))
-        p = self.algo.personalization
-        if p is not None and (p.always or personalize):
-            if p.on_features:
-                train_feats = self.features(models.backbone, data, data.train_flat)
-                adapted = p.models(state, self.adapt_on_features(state, data, key, train_feats))
-                m = self.score(adapted, feats, data)   # the shared backbone's test features again
-            else:
-                adapted = p.models(state, self.adapt_on_images(state, data, key))
-                m = self.score(adapted, self.models_features(adapted, data), data)
-            metrics.update(suffixed(m, p.suffix))
-        return metrics
+        return evaluation(self, self.algo.personalization, state, data, key, personalize)
+
+
+def evaluation(ops, personalization: Personalization | None, state, data: FederatedData, key: jax.Array,
+               personalize: bool) -> dict:
+    """An evaluation composed of ``ops``' pieces: :class:`EvaluatePieces` itself (pure), or the host
+    runner's compiled ones (same names and signatures)."""
+    models = ops.models(state)
+    feats = ops.test_features(models, data)
+    metrics = ops.score(models, feats, data)
+    if models.global_model is not None:
+        g = ops.features(models.global_model["backbone"], data, data.test_flat)
+        metrics.update(ops.score_global_model(models, g, data))
+    p = personalization
+    if p is not None and (p.always or personalize):
+        if p.on_features:  # heads adapted on the shared backbone's features: its test features again
+            adapted = ops.adapted_on_features(state, data, key, ops.features(models.backbone, data, data.train_flat))
+            m = ops.score_personal(adapted, feats, data)
+        else:
+            adapted = ops.adapted_on_images(state, data, key)
+            m = ops.score_personal(adapted, ops.test_features(adapted, data), data)
+        metrics.update(suffixed(m, p.suffix))
+    return metrics
 
 
 def suffixed(metrics: dict, suffix: str) -> dict:

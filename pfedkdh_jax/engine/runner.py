@@ -31,7 +31,7 @@ import numpy as np
 from pfedkdh_jax.algorithms.base import Algorithm
 from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine import scoring
-from pfedkdh_jax.engine.evaluate import image_problem, make_evaluate, suffixed
+from pfedkdh_jax.engine.evaluate import evaluation, image_problem, make_evaluate
 from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer, tree_stack
 from pfedkdh_jax.engine.round import LocalProblem, make_round, max_local_steps
@@ -165,7 +165,7 @@ class RoundRunner:
 
         # --- evaluation
         ev, model = self.evaluate_fn, algo.model
-        self._models = compiled("eval_models", algo.eval_models, (0,))
+        self.models = compiled("eval_models", algo.eval_models, (0,))
         self._features_chunk = compiled(
             "features_chunk", lambda b, d, idx: scoring.features_of(model, b, d, idx), (0, None, None))
         self._features_scan = compiled("features_scan", ev.features, (0, None, None))
@@ -174,19 +174,17 @@ class RoundRunner:
             lambda b, d, g: scoring.owned_features_of(model, b, d, d.owned_chunk[g], d.owned_idx[g]),
             (0, None, None))
         self._owned_scan = compiled("owned_features_scan", ev.owned_features, (0, None))
-        self._score = compiled("score", ev.score, (0, 0, None))
-        self._score_global = compiled("score_global", ev.score_global_model, (0, 0, None))
-        self._score_personal = compiled("score_personalized", ev.score, (0, 0, None))
+        self.score = compiled("score", ev.score, (0, 0, None))
+        self.score_global_model = compiled("score_global", ev.score_global_model, (0, 0, None))
+        self.score_personal = compiled("score_personalized", ev.score, (0, 0, None))
         p = algo.personalization
         if p is not None and p.on_features:
-            self._adapt = compiled("personalize_on_features",
-                                   lambda s, d, k, f: p.models(s, ev.adapt_on_features(s, d, k, f)), (0, None, 0, 0))
+            self.adapted_on_features = compiled("personalize_on_features", ev.adapted_on_features, (0, None, 0, 0))
         elif p is not None:
             self._personal = _ClientCalls(compiled, self.layout, image_problem(p, self.layout.step_loop),
                                           sizes, "personalize_")
             self._personal_models = compiled("personalized_models", p.models, (0, 0))
-            self._personal_fused = compiled(
-                "personalize", lambda s, d, k: p.models(s, ev.adapt_on_images(s, d, k)), (0, None, 0), steps=True)
+            self._personal_fused = compiled("personalize", ev.adapted_on_images, (0, None, 0), steps=True)
 
     @property
     def fused(self) -> bool:
@@ -264,25 +262,9 @@ class RoundRunner:
         """Every metric of an evaluation of all K clients, as device values (see
         :mod:`pfedkdh_jax.engine.evaluate`); ``personalize`` asks for a personalization that does not
         run at every evaluation (pFedKDH-EA)."""
-        key = self.place(key)
-        models = self._models(state)
-        feats = self.test_features(models, data)
-        metrics = self._score(models, feats, data)
-        if models.global_model is not None:
-            g = self.features(models.global_model["backbone"], data, data.test_flat)
-            metrics.update(self._score_global(models, g, data))
-        p = self.algo.personalization
-        if p is not None and (p.always or personalize):
-            if p.on_features:
-                train_feats = self.features(models.backbone, data, data.train_flat)
-                m = self._score_personal(self._adapt(state, data, key, train_feats), feats, data)
-            else:
-                adapted = self._adapt_on_images(state, data, key)
-                m = self._score_personal(adapted, self.test_features(adapted, data), data)
-            metrics.update(suffixed(m, p.suffix))
-        return metrics
+        return evaluation(self, self.algo.personalization, state, data, self.place(key), personalize)
 
-    def _adapt_on_images(self, state, data: FederatedData, key: jax.Array):
+    def adapted_on_images(self, state, data: FederatedData, key: jax.Array):
         """The personalized models after the personalization's local problem for all K clients."""
         if self.fused:
             return self._personal_fused(state, data, key)
