@@ -36,6 +36,11 @@ VARIANTS = {
     "confidence": dict(lam=0.5, kd_gate="confidence"),
     "better": dict(lam=0.5, kd_gate="better"),
     "support+better": dict(lam=0.5, kd_target="support", kd_gate="better"),
+    # second screen, around the best first-screen form (confidence): a lighter λ, a sharper teacher,
+    # and the class-aware target with it
+    "confidence-lam0.2": dict(lam=0.2, kd_gate="confidence"),
+    "confidence-T1": dict(lam=0.5, temperature=1.0, kd_gate="confidence"),
+    "support+confidence": dict(lam=0.5, kd_target="support", kd_gate="confidence"),
 }
 # EA schedules scored on every run's final model: (name, steps, epochs, lr)
 EA_GRID = [("s20", 20, 0, 0.015), ("s20_lr0.05", 20, 0, 0.05), ("s50", 50, 0, 0.015),
