@@ -13,6 +13,7 @@ pfedme     :mod:`.pfedme`: Moreau-envelope personal models, β-mixed server step
 fedproto   :mod:`.fedproto`: class prototypes exchanged instead of weights
 fedala     :mod:`.fedala`: adaptive local aggregation of the head
 pfedsim    :mod:`.pfedsim`: FedAvg warm-up, then similarity-weighted mixing of the stored bodies
+fedfed     :mod:`.fedfed`: feature distillation (a VAE's noisy sensitive features pooled), then FedAvg
 =========  ==========================================================================================
 
 The protocol every module implements is :mod:`.base`; their shared helpers are :mod:`.common`. This
@@ -98,6 +99,10 @@ METHODS: dict[str, MethodSpec] = {
         _module("pfedsim"), {"warmup": 0.5},
         "pFedSim (Tan et al. 2023): FedAvg warm-up, then similarity-weighted bodies, personal classifiers",
         {"warmup": (_non_negative, ">= 0 (a fraction of the rounds if < 1, else a round count)")}),
+    "fedfed": MethodSpec(
+        _module("fedfed"), {"feature_rounds": 15},
+        "FedFed (Yang et al., NeurIPS 2023): feature distillation rounds, then FedAvg with a shared pool",
+        {"feature_rounds": (_positive, ">= 1 (and below --rounds)")}),
 }
 
 

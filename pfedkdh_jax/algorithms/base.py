@@ -12,12 +12,15 @@ piece                  what it is                                               
 ``trainer``            the local problem (:class:`~pfedkdh_jax.engine.local.LocalTrainer`)  –
 ``context``            ``(state) -> ctx``: what every selected client receives              ``None``
 ``client_start``       ``(state, data, k, key) -> LocalState``: client k's starting point  –
+``local_samples``      ``n_k -> samples`` client k visits per epoch (host ints, static)    ``n_k``
 ``client_finish``      ``(state, data, k, local, key) -> ClientUpdate``: what the round    params, loss,
                        produced at client k (what it uploads and what it keeps)            ``local.aux``
 ``server_update``      ``(state, data, selected, updates [C], key) -> (state, metrics)``   –
 ``eval_models``        ``(state) -> EvalModels``: what an evaluation scores                 –
 ``personalization``    evaluation-time adaptation (:class:`Personalization`) the engine    ``None``
                        runs for every client before scoring, or ``None``
+``phases``             consecutive phases of rounds, each run by an algorithm of its own   one: itself
+                       on the same state (:class:`Phase`; FedFed's two phases)
 =====================  ==================================================================  ============
 
 Leading axes: per-client pytrees in the state are ``[K, ...]``; ``updates`` and the selected clients'
@@ -101,6 +104,18 @@ class Personalization:
     always: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """Consecutive rounds run by one algorithm. A method of several phases lists them in order; the
+    algorithms of its phases share one state type (so checkpoints and the repetition axis are those of
+    any method), and ``enter(state, data, key) -> state`` prepares the state at the phase's first round
+    (e.g. FedFed builds its shared pool there)."""
+
+    algorithm: "Algorithm"
+    rounds: int | None = None       # None: every remaining round
+    enter: Callable | None = None
+
+
 # ``train(trainer, local_state, ctx, row, source) -> local_state``: every step of one local problem,
 # laid out as the engine lays out a client's round (given to ``before_training``).
 TrainService = Callable[[LocalTrainer, LocalState, PyTree, jax.Array, Any], LocalState]
@@ -133,6 +148,11 @@ class Algorithm:
     def client_start(self, state: PyTree, data, client: jax.Array, key: jax.Array) -> LocalState:
         raise NotImplementedError
 
+    def local_samples(self, n: int) -> int:
+        """How many samples a client with ``n`` train samples visits per epoch (static step counts);
+        more than ``n`` when its start draws extra samples into ``LocalState.row`` (FedFed)."""
+        return n
+
     def client_finish(self, state: PyTree, data, client: jax.Array, local: LocalState,
                       key: jax.Array) -> ClientUpdate:
         """Default: the trained parameters, the mean local loss and ``local.aux``."""
@@ -151,3 +171,9 @@ class Algorithm:
     @property
     def personalization(self) -> Personalization | None:
         return None
+
+    # ---------------------------------------------------------------------------------- phases
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        """The phases of a run, in order. Default: one, this algorithm for every round."""
+        return (Phase(self),)

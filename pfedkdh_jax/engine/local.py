@@ -34,6 +34,8 @@ class LocalState:
     step: jax.Array         # int32 []: local steps taken so far
     loss_sum: jax.Array     # float32 []: sum of the losses of the steps taken
     aux: PyTree = None      # carried unchanged by training: values client_start hands to server_update
+    row: jax.Array | None = None  # int32 [M]: the client's own sample row, when its problem draws one
+                                  # (None: its train split, ``data.train_idx[k]``)
 
 
 def steps_for(n, epochs: int, batch_size: int, max_steps: int | None = None):
@@ -62,6 +64,8 @@ class LocalTrainer:
       client_context: optional ``(ctx, aux) -> ctx`` giving the loss (and ``update``) what belongs to
         the client itself next to the shared context: ``aux`` is the client's ``LocalState.aux``
         (e.g. its label distribution, for class-aware distillation). ``None``: the loss sees ``ctx``.
+      gather_context: batches are ``gather(source, indices, ctx)``: drawn from the context too (e.g.
+        FedFed's shared pool of features next to the client's own images).
     """
 
     loss_fn: Callable[..., jax.Array]
@@ -72,13 +76,15 @@ class LocalTrainer:
     max_steps: int | None = None
     update: Callable[..., tuple] | None = None
     client_context: Callable[[PyTree, PyTree], PyTree] | None = None
+    gather_context: bool = False
 
     def num_steps(self, n):
         return steps_for(n, self.epochs, self.batch_size, self.max_steps)
 
     def init(self, params: PyTree, key: jax.Array, n: jax.Array, row_length: int,
-             aux: PyTree = None) -> LocalState:
-        """Local state of a client with ``n`` valid slots out of ``row_length`` (``aux``: see LocalState)."""
+             aux: PyTree = None, row: jax.Array | None = None) -> LocalState:
+        """Local state of a client with ``n`` valid slots out of ``row_length`` (``aux``, ``row``: see
+        :class:`LocalState`; a given ``row`` has ``row_length`` slots)."""
         slots = jnp.arange(row_length)
 
         def order(e):
@@ -88,7 +94,7 @@ class LocalTrainer:
         perms = jax.vmap(order)(jnp.arange(self.epochs))
         return LocalState(params=params, opt_state=self.tx.init(params), perms=perms,
                           key=key, n=jnp.asarray(n, jnp.int32), step=jnp.zeros((), jnp.int32),
-                          loss_sum=jnp.zeros((), jnp.float32), aux=aux)
+                          loss_sum=jnp.zeros((), jnp.float32), aux=aux, row=row)
 
     def step(self, state: LocalState, ctx: PyTree, idx_row: jax.Array, source: Any,
              gate: str = "cond") -> LocalState:
@@ -108,9 +114,9 @@ class LocalTrainer:
             slots = (s.step % spe) * b_size + jnp.arange(b_size)
             mask = slots < s.n
             pos = s.perms[epoch, jnp.minimum(slots, s.perms.shape[1] - 1)]
-            x, y = self.gather(source, idx_row[pos])
-            rng = jax.random.fold_in(jax.random.fold_in(s.key, 1 << 20), s.step)
             c = ctx if self.client_context is None else self.client_context(ctx, s.aux)
+            x, y = self.gather(source, idx_row[pos], c) if self.gather_context else self.gather(source, idx_row[pos])
+            rng = jax.random.fold_in(jax.random.fold_in(s.key, 1 << 20), s.step)
             if self.update is None:
                 loss, grads = jax.value_and_grad(self.loss_fn)(s.params, c, x, y, mask, rng)
                 updates, opt_state = self.tx.update(grads, s.opt_state, s.params)

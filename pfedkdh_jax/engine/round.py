@@ -28,9 +28,10 @@ from pfedkdh_jax.engine.local import LocalState, LocalTrainer
 PyTree = Any
 
 
-def max_local_steps(trainer: LocalTrainer, data: FederatedData) -> int:
-    """Steps of the largest client of ``data`` (a static count, from ``data.train_sizes``)."""
-    return int(trainer.num_steps(max(data.train_sizes)))
+def max_local_steps(trainer: LocalTrainer, data: FederatedData, samples=lambda n: n) -> int:
+    """Steps of the largest client of ``data`` (a static count, from ``data.train_sizes``); ``samples``:
+    how many samples a client of n train samples visits per epoch in this problem."""
+    return int(trainer.num_steps(samples(max(data.train_sizes))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +46,19 @@ class LocalProblem:
     start: Any                      # (state, data, client, key) -> LocalState
     finish: Any = None              # (state, data, client, local, key) -> ClientUpdate, or None
     step_loop: str = "scan"
+    samples: Any = None             # n_k -> samples visited per epoch (host ints; None: n_k)
+
+    def size(self, n: int) -> int:
+        return n if self.samples is None else self.samples(n)
+
+    def max_steps(self, data: FederatedData) -> int:
+        return max_local_steps(self.trainer, data, self.size)
 
     def train(self, local: LocalState, ctx: PyTree, data: FederatedData, client: jax.Array,
               num_steps: int) -> LocalState:
-        """``num_steps`` steps of one client over its train row (a scan, or unrolled)."""
-        return self.trainer.run(local, ctx, data.train_idx[client], data, num_steps, self.step_loop)
+        """``num_steps`` steps of one client over its row (its train split, or the row its start drew)."""
+        row = data.train_idx[client] if local.row is None else local.row
+        return self.trainer.run(local, ctx, row, data, num_steps, self.step_loop)
 
     def client(self, state, ctx, data: FederatedData, client: jax.Array, key: jax.Array, num_steps: int):
         """One client from start to finish (its update, or its final local state without a finish)."""
@@ -76,13 +85,13 @@ class RoundPieces:
     @property
     def problem(self) -> LocalProblem:
         a = self.algo
-        return LocalProblem(a.trainer, a.client_start, a.client_finish, self.layout.step_loop)
+        return LocalProblem(a.trainer, a.client_start, a.client_finish, self.layout.step_loop, a.local_samples)
 
     def updates(self, state, data: FederatedData, selected: jax.Array, key: jax.Array) -> ClientUpdate:
         """Every selected client's :class:`ClientUpdate`, stacked ``[C, ...]``."""
         p = self.problem
-        return p.clients(state, self.algo.context(state), data, selected, key,
-                         max_local_steps(p.trainer, data), self.layout.client_parallel)
+        return p.clients(state, self.algo.context(state), data, selected, key, p.max_steps(data),
+                         self.layout.client_parallel)
 
     def __call__(self, state, data: FederatedData, selected: jax.Array, key: jax.Array):
         """One round: ``(state, data, selected [C], key) -> (state, metrics)``."""

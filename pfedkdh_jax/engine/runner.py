@@ -55,7 +55,7 @@ class _ClientCalls:
 
     def __init__(self, compiled, layout: Layout, problem: LocalProblem, sizes: np.ndarray, prefix: str):
         self.layout, self.problem, self.sizes = layout, problem, sizes
-        self.max_steps = int(problem.trainer.num_steps(int(sizes.max())))
+        self.max_steps = int(problem.trainer.num_steps(problem.size(int(sizes.max()))))
         train, finish = problem.train, problem.finish
         vstart = jax.vmap(problem.start, in_axes=(None, None, 0, None))
         vtrain = jax.vmap(train, in_axes=(0, None, None, 0, None))
@@ -88,7 +88,7 @@ class _ClientCalls:
         """(chunk calls, single-step calls) for the largest of ``clients`` (one call with a scan)."""
         if self.layout.step_loop == "scan":
             return 1, 0
-        steps = int(self.problem.trainer.num_steps(int(self.sizes[np.ravel(clients)].max())))
+        steps = int(self.problem.trainer.num_steps(self.problem.size(int(self.sizes[np.ravel(clients)].max()))))
         return divmod(steps, self.layout.chunk_steps)
 
     def run_all(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place):
@@ -277,4 +277,65 @@ class RoundRunner:
         return self._personal_models(state, finals.params)
 
 
-__all__ = ["RoundRunner", "sample_schedule", "max_local_steps"]
+class PhasedRunner:
+    """The runners of an algorithm's phases (one :class:`RoundRunner` each), chosen by the round.
+
+    At the first round of a phase after the first, the phase's ``enter`` prepares the state (compiled
+    once; its key is the round key folded with a phase tag, so a resumed run enters identically).
+    With a single phase it is that phase's runner.
+    """
+
+    def __init__(self, algo: Algorithm, data: FederatedData, layout: Layout = Layout(), *,
+                 reps: int | None = None, mesh: jax.sharding.Mesh | None = None):
+        self.phases = algo.phases
+        self.runners = [RoundRunner(p.algorithm, data, layout, reps=reps, mesh=mesh) for p in self.phases]
+        if any(p.rounds is None for p in self.phases[:-1]):
+            raise ValueError("only the last phase may run 'every remaining round' (rounds=None)")
+        self.starts = [sum(p.rounds for p in self.phases[:i]) for i in range(len(self.phases))]
+        self._enter = []
+        for p in self.phases:
+            fn = p.enter
+            if fn is not None and reps is not None:
+                fn = jax.vmap(fn, in_axes=(0, None, 0))
+            self._enter.append(jax.jit(fn) if fn is not None else None)
+
+    @property
+    def layout(self) -> Layout:
+        return self.runners[0].layout
+
+    @property
+    def traces(self) -> collections.Counter:
+        if len(self.runners) == 1:
+            return self.runners[0].traces
+        out = collections.Counter()
+        for i, r in enumerate(self.runners):
+            out.update({f"phase{i + 1}/{k}": v for k, v in r.traces.items()})
+        return out
+
+    def phase(self, t: int) -> int:
+        """The phase of round ``t`` (0-based): the last one whose first round is at most ``t``."""
+        return max(i for i, start in enumerate(self.starts) if t >= start)
+
+    def place(self, tree):
+        return self.runners[0].place(tree)
+
+    def prepare(self, state, data: FederatedData, key: jax.Array):
+        return self.runners[0].prepare(state, data, key)
+
+    def round(self, state, data: FederatedData, selected: np.ndarray, key: jax.Array, t: int):
+        """Round ``t`` with its phase's runner (entering the phase first at its first round)."""
+        i = self.phase(t)
+        if i > 0 and t == self.starts[i] and self._enter[i] is not None:
+            state = self._enter[i](state, data, self.place(_phase_key(key, i)))
+        return self.runners[i].round(state, data, selected, key)
+
+    def evaluate(self, state, data: FederatedData, key: jax.Array, t: int, *, personalize: bool = False) -> dict:
+        return self.runners[self.phase(t)].evaluate(state, data, key, personalize=personalize)
+
+
+def _phase_key(key: jax.Array, phase: int) -> jax.Array:
+    fold = jax.vmap(jax.random.fold_in, in_axes=(0, None)) if key.ndim else jax.random.fold_in
+    return fold(key, (1 << 22) + phase)
+
+
+__all__ = ["RoundRunner", "PhasedRunner", "sample_schedule", "max_local_steps"]

@@ -22,7 +22,7 @@ from pfedkdh_jax import data as data_lib
 from pfedkdh_jax.data.device import build_federated_data
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import tree_stack
-from pfedkdh_jax.engine.runner import RoundRunner, sample_schedule
+from pfedkdh_jax.engine.runner import PhasedRunner, sample_schedule
 from pfedkdh_jax.run.checkpoint import CheckpointError, Checkpoints, fingerprint
 from pfedkdh_jax.run.config import ConfigError, RunConfig, validate
 from pfedkdh_jax.run import records
@@ -74,7 +74,6 @@ class _Group:
     """Repetitions computed together: one seed (no repetition axis) or several (vmapped, ``[R, ...]``)."""
 
     seeds: list[int]
-    runner: RoundRunner
     schedule: np.ndarray      # [T, C], or [R, T, C] when batched
     keys: dict                # stream keys, each [R] when batched
     batched: bool
@@ -95,7 +94,7 @@ class _Group:
         return [records.plain({k: v[r] for k, v in host.items()}) for r in range(len(self.seeds))]
 
 
-def _initial_state(algo, runner: RoundRunner, data, seed: int):
+def _initial_state(algo, runner: PhasedRunner, data, seed: int):
     """Repetition ``seed``'s state before round 0: ``init``, then the algorithm's ``before_training``."""
     keys = streams(seed)
     return runner.prepare(algo.init(keys["init"], data), data, keys["init"])
@@ -136,8 +135,9 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
     if mesh is not None:
         data = jax.device_put(data, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
-    # One runner for all groups: sequential repetitions reuse the same compiled functions.
-    runner = RoundRunner(algo, data, layout, reps=len(seeds) if batched else None, mesh=mesh)
+    # One runner (per phase of the method) for all groups: sequential repetitions reuse the same
+    # compiled functions.
+    runner = PhasedRunner(algo, data, layout, reps=len(seeds) if batched else None, mesh=mesh)
     groups, states = [], []
     for members in ([seeds] if batched else [[s] for s in seeds]):
         ks = [streams(s) for s in members]
@@ -147,10 +147,10 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
             keys = {name: jnp.stack([k[name] for k in ks]) for name in ks[0]}
             state = tree_stack(st)
             state = runner.place(state)
-            groups.append(_Group(members, runner, np.stack(sched), keys, True))
+            groups.append(_Group(members, np.stack(sched), keys, True))
         else:
             state = st[0]
-            groups.append(_Group(members, runner, sched[0], ks[0], False))
+            groups.append(_Group(members, sched[0], ks[0], False))
         states.append(state)
 
     start, history = 0, []
@@ -180,11 +180,10 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
         rep_rows, train_s, eval_s = [], 0.0, 0.0
         for g, group in enumerate(groups):
             t1 = time.perf_counter()
-            states[g], train_m = group.runner.round(states[g], data, group.selected(t),
-                                                    group.round_key("train", t))
+            states[g], train_m = runner.round(states[g], data, group.selected(t), group.round_key("train", t), t)
             jax.block_until_ready(states[g])
             t2 = time.perf_counter()
-            eval_m = (group.runner.evaluate(states[g], data, group.round_key("eval", t), personalize=do_ea)
+            eval_m = (runner.evaluate(states[g], data, group.round_key("eval", t), t, personalize=do_ea)
                       if do_eval else {})
             per_rep = group.split({**train_m, **eval_m})
             t3 = time.perf_counter()
@@ -200,7 +199,7 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
         for rep in rep_rows:
             problem = records.divergence(rep, cfg.divergence_loss)
             if problem:
-                summary = records.summary(cfg, history, part_summary, groups[0].runner,
+                summary = records.summary(cfg, history, part_summary, runner,
                                    status=f"diverged at round {t + 1}")
                 records.write_json(os.path.join(out_dir, "summary.json"), summary)
                 who = f" in repetition {rep['seed'] - cfg.seed} (seed {rep['seed']})" if cfg.reps > 1 else ""
@@ -211,7 +210,7 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
         bar.update(1)
         bar.set_postfix(records.postfix(row))
     bar.close()
-    summary = records.summary(cfg, history, part_summary, groups[0].runner, status="completed")
+    summary = records.summary(cfg, history, part_summary, runner, status="completed")
     summary["total_seconds"] = time.perf_counter() - t_start
     records.write_json(os.path.join(out_dir, "summary.json"), summary)
     try:
@@ -223,7 +222,7 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
         log(f"warning: curves.png not written: {e}")
     summary["out"] = out_dir
     if return_state:
-        return summary, states[0], data, algo, groups[0].runner
+        return summary, states[0], data, algo, runner.runners[-1]
     return summary
 
 

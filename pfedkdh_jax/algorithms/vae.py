@@ -1,0 +1,85 @@
+"""FedFed's VAE (method.md §5.2): the model that splits an image into a robust part x_r (its
+reconstruction) and a performance-sensitive part x_s = x − x_r.
+
+Encoder: two stride-2 4×4 convolutions (16 then 32 channels), each with batch norm and ReLU, then two
+residual blocks; the latent has the flattened feature size F (7·7·32 = 1568 for 28×28 inputs,
+8·8·32 = 2048 for 32×32) and comes from dense mean / log-variance layers; the decoder mirrors the
+encoder (a dense layer back to F, two residual blocks, two stride-2 transposed convolutions, the last
+with a sigmoid). Inputs and reconstructions are pixels in [0, 1]. Batch norm keeps running statistics
+(``batch_stats``), which FedFed averages with the parameters; padded samples of a partial batch are
+masked out of the batch statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+CHANNELS = (16, 32)
+
+
+class ResBlock(nn.Module):
+    """conv 3×3 → BN → ReLU → conv 3×3 → BN, plus the input, then ReLU."""
+
+    channels: int
+
+    @nn.compact
+    def __call__(self, x, train: bool, mask):
+        y = nn.Conv(self.channels, (3, 3))(x)
+        y = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(y, mask=mask))
+        y = nn.Conv(self.channels, (3, 3))(y)
+        y = nn.BatchNorm(use_running_average=not train, momentum=0.9)(y, mask=mask)
+        return nn.relu(x + y)
+
+
+class VAE(nn.Module):
+    """``(x [B, H, W, C] in [0, 1], rng) -> (x_r, mean, logvar)``; ``z = mean`` without ``rng``."""
+
+    out_channels: int
+
+    def _bn(self, train: bool):
+        return nn.BatchNorm(use_running_average=not train, momentum=0.9)
+
+    @nn.compact
+    def __call__(self, x, *, train: bool = False, rng: jax.Array | None = None, mask=None):
+        m = None if mask is None else mask.reshape(-1, 1, 1, 1)
+        h = x
+        for ch in CHANNELS:
+            h = nn.relu(self._bn(train)(nn.Conv(ch, (4, 4), strides=(2, 2))(h), mask=m))
+        for _ in range(2):
+            h = ResBlock(CHANNELS[-1])(h, train, m)
+        shape = h.shape[1:]
+        flat = h.reshape(h.shape[0], -1)
+        f = flat.shape[-1]
+        mean, logvar = nn.Dense(f, name="mean")(flat), nn.Dense(f, name="logvar")(flat)
+        z = mean if rng is None else mean + jnp.exp(0.5 * logvar) * jax.random.normal(rng, mean.shape)
+        h = nn.Dense(f, name="decoder_input")(z).reshape((-1,) + shape)
+        for _ in range(2):
+            h = ResBlock(CHANNELS[-1])(h, train, m)
+        h = nn.relu(self._bn(train)(nn.ConvTranspose(CHANNELS[0], (4, 4), strides=(2, 2))(h), mask=m))
+        x_r = nn.sigmoid(nn.ConvTranspose(self.out_channels, (4, 4), strides=(2, 2))(h))
+        return x_r, mean, logvar
+
+
+def latent_size(input_shape) -> int:
+    """F, the flattened feature size (the latent's size): ``(H/4)·(W/4)·32``."""
+    h, w, _ = input_shape
+    return (-(-h // 4)) * (-(-w // 4)) * CHANNELS[-1]
+
+
+def kl_term(mean: jax.Array, logvar: jax.Array, mask: jax.Array) -> jax.Array:
+    """``KL(q(z|x) ‖ N(0, I))`` summed over the valid samples and the latent, divided by
+    ``64 · 3 · F`` as in method.md §5.2 (mean 1, log-variance 0, B = 32, F = 1568 → 0.08333)."""
+    f = mean.shape[-1]
+    per = 0.5 * jnp.sum(jnp.square(mean) + jnp.exp(logvar) - 1.0 - logvar, axis=-1)
+    return jnp.sum(per * mask) / (64 * 3 * f)
+
+
+def reconstruction(x_r: jax.Array, x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean squared error over the valid samples' pixels."""
+    per = jnp.mean(jnp.square(x_r - x), axis=tuple(range(1, x.ndim)))
+    return jnp.sum(per * mask) / jnp.maximum(jnp.sum(mask), 1.0)
