@@ -91,14 +91,19 @@ def jax_side(cfg, pool, part, rounds: int) -> dict:
             u, o = tx.update(g, o, p)
             p = optax.apply_updates(p, u)
         return p, o
-    f = jax.jit(chunk)
-    p, o = jax.block_until_ready(f(params, tx.init(params)))
-    t0 = time.perf_counter()
-    for _ in range(5):
-        p, o = f(p, o)
-    jax.block_until_ready(p)
-    step_rate = 5 * 8 * 64 / (time.perf_counter() - t0)
-    return {"step_samples_per_s": step_rate, "round_seconds": times[1:], "first_round_seconds": times[0],
+    def step_rate(options):
+        f = jax.jit(chunk, compiler_options=options)
+        p, o = jax.block_until_ready(f(params, tx.init(params)))
+        t0 = time.perf_counter()
+        for _ in range(5):
+            p, o = f(p, o)
+        jax.block_until_ready(p)
+        return 5 * 8 * 64 / (time.perf_counter() - t0)
+
+    from pfedkdh_jax.engine.layout import local_training_compiler_options
+    return {"step_samples_per_s": step_rate(local_training_compiler_options()),  # as the engine compiles
+            "step_samples_per_s_xla_defaults": step_rate(None),
+            "round_seconds": times[1:], "first_round_seconds": times[0],
             "engine": f"{engine.client_parallel} + {engine.step_loop}"
                       + (f" (chunk {engine.chunk_steps})" if engine.step_loop == "unrolled" else ""),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}

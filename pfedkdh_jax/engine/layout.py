@@ -58,7 +58,7 @@ def local_training_compiler_options(backend: str | None = None) -> dict | None:
     On XLA:CPU these calls compile without YNNPACK (``xla_cpu_experimental_ynn_fusion_type`` empty):
     measured on the 2-core machine, a batch-64 training step ran 1.4× (MNIST) and 2.2× (CIFAR-10)
     faster without it, while large-batch forward passes (evaluation, the teacher's D_s features) ran
-    up to 3× faster *with* it on MNIST shapes (BENCHMARKS.md, "CPU: XLA's YNNPACK calls"), so those
+    up to 3× faster *with* it on MNIST shapes (BENCHMARKS.md, "CPU against PyTorch"), so those
     keep XLA's default. ``None`` (XLA's defaults) on other backends, and when the user's
     ``XLA_FLAGS`` already set the option (theirs wins).
     """
