@@ -41,6 +41,8 @@ class MethodSpec:
     summary: str = ""
     checks: dict[str, tuple[Callable[[Any], bool], str]] = dataclasses.field(default_factory=dict)
     run_options: tuple[str, ...] = ()             # RunConfig fields it reads beyond the shared budget
+    # (args, run config) -> a one-line error or None: checks that relate its options to the run's
+    run_check: Callable[[dict, Any], str | None] | None = None
 
 
 def _positive(v) -> bool:
@@ -102,12 +104,16 @@ METHODS: dict[str, MethodSpec] = {
     "fedfed": MethodSpec(
         _module("fedfed"), {"feature_rounds": 15},
         "FedFed (Yang et al., NeurIPS 2023): feature distillation rounds, then FedAvg with a shared pool",
-        {"feature_rounds": (_positive, ">= 1 (and below --rounds)")}),
+        {"feature_rounds": (_positive, ">= 1 (and below --rounds)")},
+        run_check=lambda a, cfg: (None if a["feature_rounds"] < cfg.rounds else
+                                  f"--method-arg feature_rounds must be below --rounds {cfg.rounds} for fedfed "
+                                  f"(phase A's rounds count in the run's); got {a['feature_rounds']}")),
 }
 
 
-def parse_method_args(method: str, pairs) -> dict[str, Any]:
-    """``[(key, text), ...]`` -> typed dict over the method's defaults. Raises ValueError (one line)."""
+def parse_method_args(method: str, pairs, cfg=None) -> dict[str, Any]:
+    """``[(key, text), ...]`` -> typed dict over the method's defaults (checked against the run
+    config ``cfg`` too when given). Raises ValueError (one line)."""
     spec = METHODS[method]
     out = dict(spec.args)
     for key, text in pairs:
@@ -128,10 +134,13 @@ def parse_method_args(method: str, pairs) -> dict[str, Any]:
     for key, (ok, allowed) in spec.checks.items():
         if not ok(out[key]):
             raise ValueError(f"--method-arg {key} must be {allowed} for {method}; got {out[key]!r}")
+    problem = spec.run_check(out, cfg) if spec.run_check is not None and cfg is not None else None
+    if problem:
+        raise ValueError(problem)
     return out
 
 
 def build(cfg, num_classes: int):
     """The algorithm object for ``cfg.method`` (imports its module, and JAX, only now)."""
     module = importlib.import_module(METHODS[cfg.method].module)
-    return module.from_config(cfg, num_classes, parse_method_args(cfg.method, cfg.method_args))
+    return module.from_config(cfg, num_classes, parse_method_args(cfg.method, cfg.method_args, cfg))

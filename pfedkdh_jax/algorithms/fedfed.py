@@ -37,6 +37,7 @@ Hyperparameters (``--method-arg``; method.md §5.2, the paper's code): ``feature
 the noise levels, loss weights and VAE optimizer are constants of :class:`FedFedConfig`.
 Memory: the pool holds 2·N images (float16) in the state, the clients' VAE optimizer states
 2·K copies of the VAE (≈ 13× the CNN's parameters) — about 1.2 GB for MNIST, K = 20.
+(Over 300 lines: phase A's three passes, the pool's generation and phase B are one method.)
 """
 
 from __future__ import annotations
@@ -129,9 +130,8 @@ def _global_eval(state: FedFedState) -> EvalModels:
 
 
 @dataclasses.dataclass(frozen=True)
-class FedFed(Algorithm):
-    """FedFed over a :class:`CNN`; as an algorithm it is phase A (feature distillation), and its
-    ``phases`` add phase B (FedAvg on own data plus the shared pool)."""
+class _FedFedBase(Algorithm):
+    """What both phases share: the model, the configuration and the state."""
 
     model: CNN
     config: FedFedConfig = FedFedConfig()
@@ -140,6 +140,12 @@ class FedFed(Algorithm):
 
     def init(self, key: jax.Array, data: FederatedData) -> FedFedState:
         return _init_global(self.model, key, data, self.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class FedFed(_FedFedBase):
+    """FedFed over a :class:`CNN`; as an algorithm it is phase A (feature distillation), and its
+    ``phases`` add phase B (FedAvg on own data plus the shared pool)."""
 
     @property
     def phases(self) -> tuple[Phase, ...]:
@@ -273,16 +279,8 @@ class FedFed(Algorithm):
 
 
 @dataclasses.dataclass(frozen=True)
-class FedFedAvg(Algorithm):
+class FedFedAvg(_FedFedBase):
     """FedFed's phase B: FedAvg of f over each client's own data plus n_k draws from the pool."""
-
-    model: CNN
-    config: FedFedConfig = FedFedConfig()
-
-    name = "fedfed"
-
-    def init(self, key: jax.Array, data: FederatedData) -> FedFedState:
-        return _init_global(self.model, key, data, self.config)
 
     @property
     def trainer(self) -> LocalTrainer:
@@ -340,8 +338,7 @@ def gather_with_pool(data: FederatedData, idx: jax.Array, ctx: dict):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedFed:
-    """FedFed with the run's shared budget; ``args['feature_rounds']``: phase A's rounds."""
-    if args["feature_rounds"] >= cfg.rounds:
-        raise ValueError(f"fedfed feature_rounds must be < --rounds {cfg.rounds}; got {args['feature_rounds']}")
+    """FedFed with the run's shared budget; ``args['feature_rounds']``: phase A's rounds (below the
+    run's, checked by the registry)."""
     return FedFed(CNN(num_classes, cfg.dropout),
                   FedFedConfig(**C.local_config(cfg), feature_rounds=args["feature_rounds"]))

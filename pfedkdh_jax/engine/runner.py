@@ -16,7 +16,9 @@ how often each piece was traced, so tests can assert that nothing recompiles aft
 With ``reps=R`` every piece is additionally ``vmap``-ed over a leading repetition axis ``[R, ...]``
 (states, selected clients ``[R, C]``, keys ``[R]``; the data are shared), so R Monte Carlo
 repetitions run as one program, whatever the method. With a ``mesh``, that axis (or else the client
-axis of the one-call round) is split over the mesh's devices.
+axis of the one-call round) is split over the mesh's devices. :class:`PhasedRunner` holds one
+runner per phase of a method of several phases (FedFed) and enters each phase at its first round.
+(Over 300 lines: the four plans, their repetition axis and the phases are one host loop.)
 """
 
 from __future__ import annotations

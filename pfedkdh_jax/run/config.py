@@ -141,7 +141,7 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"--{f.name.replace('_', '-')} must be a finite number; got {value}")
     _check(cfg.method in METHODS, f"--method must be one of {', '.join(METHODS)}; got {cfg.method!r}")
     try:
-        parse_method_args(cfg.method, cfg.method_args)
+        parse_method_args(cfg.method, cfg.method_args, cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check(cfg.dataset in DATASETS, f"--dataset must be one of {', '.join(DATASETS)}; got {cfg.dataset!r}")
