@@ -12,7 +12,8 @@ from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.runner import PhasedRunner
 from pfedkdh_jax.model import CNN, param_count
 
-CFG = fedfed.FedFedConfig(lr=0.05, batch_size=16, local_epochs=1, feature_rounds=2, vae_batch_size=16)
+CFG = fedfed.FedFedConfig(lr=0.05, batch_size=16, local_epochs=1, feature_rounds=2, vae_batch_size=16,
+                          vae_width=8)  # a narrow VAE keeps the tests quick; test_vae_shapes_and_size checks the full one
 SELECTED = [np.array([2, 0]), np.array([1, 3]), np.array([0, 1]), np.array([3, 2])]
 
 

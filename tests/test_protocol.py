@@ -25,7 +25,7 @@ LAYOUTS = [("vmap", "scan"), ("vmap", "unrolled"), ("sequential", "scan"), ("seq
 SELECTED = [np.array([2, 0]), np.array([1, 3])]
 # Small local work per method (the tiny federation: 4 clients, 4 classes)
 ARGS = {"fedrep": {"head_epochs": "1"}, "fedbabu": {"finetune_epochs": "1"}, "pfedme": {"inner_steps": "2"},
-        "fedala": {"start_epochs": "2"}, "pfedsim": {"warmup": "1"}, "fedfed": {"feature_rounds": "1"}}
+        "fedala": {"start_epochs": "2"}, "pfedsim": {"warmup": "1"}, "fedfed": {"feature_rounds": "1", "vae_width": "8"}}
 EXTRA = {"pfedkdh": dict(lam=0.5, ea_steps=2, teacher_epochs=1)}
 # Layouts differ by float32 op-order round-off (~1e-5 after two rounds). FedFed's VAE trains with
 # AdamW, which turns round-off in near-zero gradients (conv biases ahead of batch norm) into steps of

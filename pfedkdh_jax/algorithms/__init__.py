@@ -43,6 +43,9 @@ class MethodSpec:
     run_options: tuple[str, ...] = ()             # RunConfig fields it reads beyond the shared budget
     # (args, run config) -> a one-line error or None: checks that relate its options to the run's
     run_check: Callable[[dict, Any], str | None] | None = None
+    # the metric its row of a results table reports: personalized (the paper's), or the global
+    # model's for the methods whose result is one shared model
+    table_metric: str = "personalized_macro_accuracy"
 
 
 def _positive(v) -> bool:
@@ -66,10 +69,11 @@ METHODS: dict[str, MethodSpec] = {
     "pfedkdh": MethodSpec(_module("pfedkdh"), {}, "pFedKDH (its options are run flags: --lam, --kd-target, ...)",
                           run_options=PFEDKDH_OPTIONS),
     # Baselines (method.md §5); defaults and their sources are in each module's docstring.
-    "fedavg": MethodSpec(_module("fedavg"), {}, "FedAvg (McMahan et al. 2017), global model"),
+    "fedavg": MethodSpec(_module("fedavg"), {}, "FedAvg (McMahan et al. 2017), global model",
+                         table_metric="global_macro_accuracy"),
     "fedprox": MethodSpec(_module("fedprox"), {"mu": 1.0},
                           "FedProx (Li et al. 2020), global model; μ via --method-arg mu=, not --mu",
-                          {"mu": (_non_negative, ">= 0")}),
+                          {"mu": (_non_negative, ">= 0")}, table_metric="global_macro_accuracy"),
     "fedper": MethodSpec(_module("fedper"), {}, "FedPer (Arivazhagan et al. 2019)"),
     "fedrep": MethodSpec(_module("fedrep"), {"head_epochs": 10},
                          "FedRep (Collins et al. 2021): head epochs, then --local-epochs body epochs",
@@ -102,12 +106,14 @@ METHODS: dict[str, MethodSpec] = {
         "pFedSim (Tan et al. 2023): FedAvg warm-up, then similarity-weighted bodies, personal classifiers",
         {"warmup": (_non_negative, ">= 0 (a fraction of the rounds if < 1, else a round count)")}),
     "fedfed": MethodSpec(
-        _module("fedfed"), {"feature_rounds": 15},
+        _module("fedfed"), {"feature_rounds": 15, "vae_width": 32},
         "FedFed (Yang et al., NeurIPS 2023): feature distillation rounds, then FedAvg with a shared pool",
-        {"feature_rounds": (_positive, ">= 1 (and below --rounds)")},
+        {"feature_rounds": (_positive, ">= 1 (and below --rounds)"),
+         "vae_width": (lambda v: v >= 2 and v % 2 == 0, "an even number >= 2 (32: the specification's VAE)")},
         run_check=lambda a, cfg: (None if a["feature_rounds"] < cfg.rounds else
                                   f"--method-arg feature_rounds must be below --rounds {cfg.rounds} for fedfed "
-                                  f"(phase A's rounds count in the run's); got {a['feature_rounds']}")),
+                                  f"(phase A's rounds count in the run's); got {a['feature_rounds']}"),
+        table_metric="global_macro_accuracy"),
 }
 
 

@@ -34,7 +34,7 @@ included — is not reproduced: a client's row is its own train samples followed
 (tested: nothing else is ever gathered).
 
 Hyperparameters (``--method-arg``; method.md §5.2, the paper's code): ``feature_rounds`` = 15;
-the noise levels, loss weights and VAE optimizer are constants of :class:`FedFedConfig`.
+``vae_width`` = 32 (the VAE's channels; the tests use a narrower one to stay quick); the noise levels, loss weights and VAE optimizer are constants of :class:`FedFedConfig`.
 Memory: the pool holds 2·N images (float16) in the state, the clients' VAE optimizer states
 2·K copies of the VAE (≈ 13× the CNN's parameters) — about 1.2 GB for MNIST, K = 20.
 (Over 300 lines: phase A's three passes, the pool's generation and phase B are one method.)
@@ -75,6 +75,7 @@ class FedFedConfig(C.LocalConfig):
     kl_weight: float = 0.005
     sensitive_ce_weight: float = 2.0  # CE of f on [s1; s2]
     ce_weight: float = 0.4            # CE of f on x in the joint pass
+    vae_width: int = 32               # the VAE's channels (16, 32); narrower only for tests
 
 
 @struct.dataclass
@@ -112,7 +113,7 @@ def noisy_copies(x_s: jax.Array, key: jax.Array, stds) -> tuple[jax.Array, jax.A
 
 def _init_global(model: CNN, key: jax.Array, data: FederatedData, config: FedFedConfig) -> FedFedState:
     params = model.init(key, data.input_shape)
-    vae = VAE(data.input_shape[-1]).init(jax.random.fold_in(key, _VAE_STREAM),
+    vae = VAE(data.input_shape[-1], config.vae_width).init(jax.random.fold_in(key, _VAE_STREAM),
                                          jnp.zeros((1,) + tuple(data.input_shape)))
     vae = {"params": vae["params"], "batch_stats": vae["batch_stats"]}
     adamw = optax.adamw(config.vae_lr, weight_decay=config.vae_weight_decay)
@@ -173,7 +174,7 @@ class FedFed(_FedFedBase):
         return local.replace(opt_state={"f": sgd.init(state.params), "vae": C.take(state.vae_opt, client)})
 
     def _vae_apply(self, vae_params, batch_stats, x01, rng, mask, channels):
-        (x_r, mean, logvar), new = VAE(channels).apply(
+        (x_r, mean, logvar), new = VAE(channels, self.config.vae_width).apply(
             {"params": vae_params, "batch_stats": batch_stats}, x01, train=True, rng=rng, mask=mask,
             mutable=["batch_stats"])
         return x_r, mean, logvar, new["batch_stats"]
@@ -258,7 +259,7 @@ class FedFed(_FedFedBase):
     def sensitive_features(self, vae: PyTree, data: FederatedData, idx: jax.Array, key: jax.Array):
         """s1, s2 of the pool samples ``idx`` with the VAE in eval mode (z = its mean)."""
         x01 = to_unit(gather_inputs(data, idx)[0])
-        x_r, _, _ = VAE(x01.shape[-1]).apply(vae, x01)
+        x_r, _, _ = VAE(x01.shape[-1], self.config.vae_width).apply(vae, x01)
         return noisy_copies(x01 - x_r, key, self.config.noise_std)
 
     def build_pool(self, state: FedFedState, data: FederatedData, key: jax.Array) -> FedFedState:
@@ -341,4 +342,5 @@ def from_config(cfg, num_classes: int, args: dict) -> FedFed:
     """FedFed with the run's shared budget; ``args['feature_rounds']``: phase A's rounds (below the
     run's, checked by the registry)."""
     return FedFed(CNN(num_classes, cfg.dropout),
-                  FedFedConfig(**C.local_config(cfg), feature_rounds=args["feature_rounds"]))
+                  FedFedConfig(**C.local_config(cfg), feature_rounds=args["feature_rounds"],
+                               vae_width=args["vae_width"]))

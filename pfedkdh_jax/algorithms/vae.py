@@ -7,7 +7,8 @@ residual blocks; the latent has the flattened feature size F (7·7·32 = 1568 fo
 encoder (a dense layer back to F, two residual blocks, two stride-2 transposed convolutions, the last
 with a sigmoid). Inputs and reconstructions are pixels in [0, 1]. Batch norm keeps running statistics
 (``batch_stats``), which FedFed averages with the parameters; padded samples of a partial batch are
-masked out of the batch statistics.
+masked out of the batch statistics. ``width`` (32, the specification's) is the encoder's second
+channel count (the first is half of it); narrower VAEs exist for tests and small machines only.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 PyTree = Any
-CHANNELS = (16, 32)
+WIDTH = 32   # channels (16, 32)
 
 
 class ResBlock(nn.Module):
@@ -40,6 +41,7 @@ class VAE(nn.Module):
     """``(x [B, H, W, C] in [0, 1], rng) -> (x_r, mean, logvar)``; ``z = mean`` without ``rng``."""
 
     out_channels: int
+    width: int = WIDTH
 
     def _bn(self, train: bool):
         return nn.BatchNorm(use_running_average=not train, momentum=0.9)
@@ -48,10 +50,11 @@ class VAE(nn.Module):
     def __call__(self, x, *, train: bool = False, rng: jax.Array | None = None, mask=None):
         m = None if mask is None else mask.reshape(-1, 1, 1, 1)
         h = x
-        for ch in CHANNELS:
+        channels = (self.width // 2, self.width)
+        for ch in channels:
             h = nn.relu(self._bn(train)(nn.Conv(ch, (4, 4), strides=(2, 2))(h), mask=m))
         for _ in range(2):
-            h = ResBlock(CHANNELS[-1])(h, train, m)
+            h = ResBlock(self.width)(h, train, m)
         shape = h.shape[1:]
         flat = h.reshape(h.shape[0], -1)
         f = flat.shape[-1]
@@ -59,16 +62,16 @@ class VAE(nn.Module):
         z = mean if rng is None else mean + jnp.exp(0.5 * logvar) * jax.random.normal(rng, mean.shape)
         h = nn.Dense(f, name="decoder_input")(z).reshape((-1,) + shape)
         for _ in range(2):
-            h = ResBlock(CHANNELS[-1])(h, train, m)
-        h = nn.relu(self._bn(train)(nn.ConvTranspose(CHANNELS[0], (4, 4), strides=(2, 2))(h), mask=m))
+            h = ResBlock(self.width)(h, train, m)
+        h = nn.relu(self._bn(train)(nn.ConvTranspose(channels[0], (4, 4), strides=(2, 2))(h), mask=m))
         x_r = nn.sigmoid(nn.ConvTranspose(self.out_channels, (4, 4), strides=(2, 2))(h))
         return x_r, mean, logvar
 
 
-def latent_size(input_shape) -> int:
-    """F, the flattened feature size (the latent's size): ``(H/4)·(W/4)·32``."""
+def latent_size(input_shape, width: int = WIDTH) -> int:
+    """F, the flattened feature size (the latent's size): ``(H/4)·(W/4)·width``."""
     h, w, _ = input_shape
-    return (-(-h // 4)) * (-(-w // 4)) * CHANNELS[-1]
+    return (-(-h // 4)) * (-(-w // 4)) * width
 
 
 def kl_term(mean: jax.Array, logvar: jax.Array, mask: jax.Array) -> jax.Array:

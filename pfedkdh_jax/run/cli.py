@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from pfedkdh_jax.run.config import METHODS, PRESETS, ConfigError, RunConfig, make_config
@@ -95,6 +96,30 @@ def build_parser() -> argparse.ArgumentParser:
     res = sub.add_parser("resume", help="continue an interrupted run from its newest good checkpoint")
     res.add_argument("run_dir")
     res.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sw = sub.add_parser("sweep", help="a grid of datasets × α × methods × seeds: the paper's tables",
+                        description="Run every point of a grid (each point's seeds as one run's repetitions) "
+                                    "and write table.md/csv, costs.md and a convergence figure per cell. "
+                                    "Running the same command again continues an interrupted sweep.")
+    sw.add_argument("--datasets", default=None, help="comma-separated (default: digits)")
+    sw.add_argument("--alphas", default=None, help="comma-separated Dirichlet α values (default: 0.1)")
+    sw.add_argument("--methods", default=None, help=f"comma-separated, of: {', '.join(METHODS)} (default: pfedkdh)")
+    sw.add_argument("--seeds", type=int, default=None, help="seeds per point, run as repetitions (default: 1)")
+    sw.add_argument("--grid", action="append", default=None, metavar="OPTION=V1,V2",
+                    help="run option values to sweep, repeatable (e.g. lam=0,0.5); applied to the methods "
+                         "that read the option")
+    sw.add_argument("--method-arg", dest="sweep_method_args", action="append", default=None,
+                    metavar="METHOD:KEY=VALUE", help="a method's own option, repeatable")
+    sw.add_argument("--preset", default=None, choices=PRESETS, help="as for run (default: default)")
+    sw.add_argument("--config", default=None, metavar="FILE",
+                    help="the sweep from a JSON or Python file (get_config() -> dict with datasets, alphas, "
+                         "methods, seeds, grid, preset, method_args and run options); flags override it")
+    sw.add_argument("--out", dest="sweep_out", default=None, help="sweep directory (default runs/sweep-<time>)")
+    sw.add_argument("--no-progress", action="store_true", help="no progress bars")
+    for flag, field, typ, hlp in _FLAGS:
+        if field not in ("method", "dataset", "alpha", "out", "reps"):
+            sw.add_argument(flag, dest=field, type=typ, default=None, help=hlp)
+    for flag, field, value, hlp in _SWITCHES:
+        sw.add_argument(flag, dest=field, action="store_const", const=value, default=None, help=hlp)
     rep = sub.add_parser("report", help="compare finished runs: a table and a figure")
     rep.add_argument("run_dirs", nargs="+")
     rep.add_argument("--out", default=None, help="directory for the figures (default: the first run dir)")
@@ -136,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from pfedkdh_jax.run.report import main as report_main
         return report_main(args.run_dirs, args.out)
+    if args.command == "sweep":
+        return _sweep(args)
     values = {k: v for k, v in vars(args).items()
               if k in RunConfig.__dataclass_fields__ and v is not None}
     try:
@@ -152,6 +179,79 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"pfedkdh: error: {e}", file=sys.stderr)
         return 2
+
+
+def _field_type(field: str):
+    for _, f, typ, _ in _FLAGS:
+        if f == field:
+            return typ
+    if field in RunConfig.__dataclass_fields__ and isinstance(getattr(RunConfig, field, None), bool):
+        return lambda t: {"true": True, "1": True, "false": False, "0": False}[t.lower()]
+    raise ConfigError(f"--grid {field}: not a run option (e.g. lam, mu, lr, local_epochs)")
+
+
+def _sweep(args) -> int:
+    import time
+
+    try:
+        spec = load_config_file(args.config) if args.config else {}
+        spec = {k: spec[k] for k in spec}
+        axes = {k: spec.pop(k) for k in ("datasets", "alphas", "methods", "seeds", "grid", "preset",
+                                         "method_args") if k in spec}
+        options = {**spec, **{k: v for k, v in vars(args).items()
+                              if k in RunConfig.__dataclass_fields__ and v is not None}}
+        split = lambda text: [x for x in text.split(",") if x]  # noqa: E731
+        datasets = split(args.datasets) if args.datasets else axes.get("datasets", ["digits"])
+        methods = split(args.methods) if args.methods else axes.get("methods", ["pfedkdh"])
+        try:
+            alphas = [float(a) for a in split(args.alphas)] if args.alphas else axes.get("alphas", [0.1])
+        except ValueError:
+            raise ConfigError(f"--alphas must be comma-separated numbers; got {args.alphas!r}") from None
+        grid = dict(axes.get("grid", {}))
+        for item in args.grid or []:
+            if "=" not in item:
+                raise ConfigError(f"--grid must be OPTION=V1,V2,...; got {item!r}")
+            key, values = item.split("=", 1)
+            key = key.replace("-", "_")
+            typ = _field_type(key)
+            try:
+                grid[key] = [typ(v) for v in split(values)]
+            except (ValueError, KeyError):
+                raise ConfigError(f"--grid {key}: values must be {getattr(typ, '__name__', 'true/false')}; "
+                                  f"got {values!r}") from None
+        margs = {m: list(p) for m, p in axes.get("method_args", {}).items()}
+        for item in args.sweep_method_args or []:
+            if ":" not in item or "=" not in item.split(":", 1)[1]:
+                raise ConfigError(f"--method-arg must be METHOD:KEY=VALUE in a sweep; got {item!r}")
+            m, pair = item.split(":", 1)
+            margs.setdefault(m, []).append(tuple(pair.split("=", 1)))
+        from pfedkdh_jax.run.sweep import make_sweep, run_sweep
+        sweep = make_sweep(datasets, alphas, methods,
+                           args.seeds if args.seeds is not None else axes.get("seeds", 1), grid,
+                           args.preset or axes.get("preset", "default"), options, margs)
+        out = args.sweep_out or os.path.join("runs", "sweep-" + time.strftime("%Y%m%d-%H%M%S"))
+        result = _guarded_sweep(lambda: run_sweep(sweep, out, progress=not args.no_progress))
+    except (ConfigError, DataError) as e:
+        print(f"pfedkdh: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(result, int):
+        return result
+    print(result["table"])
+    print(f"sweep directory: {out} (table.md, table.csv, costs.md, {len(result['figures'])} figure(s))")
+    return 0
+
+
+def _guarded_sweep(job):
+    from pfedkdh_jax.run.checkpoint import CheckpointError
+    from pfedkdh_jax.run.experiment import DivergenceError
+    try:
+        return job()
+    except CheckpointError as e:
+        print(f"pfedkdh: error: {e}", file=sys.stderr)
+        return 2
+    except DivergenceError as e:
+        print(f"pfedkdh: diverged: {e}", file=sys.stderr)
+        return 3
 
 
 def _resume(args) -> int:

@@ -59,7 +59,8 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def comparison_figure(runs: list[dict], path: str) -> None:
+def comparison_figure(runs: list[dict], path: str, title: str = "") -> None:
+    """Accuracy vs round, one line per run (``run['label']`` if given), ± std bands with repetitions."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -71,13 +72,15 @@ def comparison_figure(runs: list[dict], path: str) -> None:
         xs = [p[0] for p in pts]
         ys = [100 * p[1] for p in pts]
         sd = [100 * p[2] for p in pts]
-        label = f"{r['config'].get('method')} ({os.path.basename(os.path.normpath(r['dir']))})"
+        label = r.get("label") or f"{r['config'].get('method')} ({os.path.basename(os.path.normpath(r['dir']))})"
         ax.plot(xs, ys, label=label)
         if any(sd):
             ax.fill_between(xs, [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)], alpha=0.2)
     ax.set_xlabel("round")
     ax.set_ylabel("personalized macro accuracy (%)")
     ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(title)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path)

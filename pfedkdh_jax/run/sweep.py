@@ -1,0 +1,270 @@
+"""``pfedkdh sweep``: a grid of datasets × α × methods (× hyperparameter values) × seeds, and the
+paper's tables from it.
+
+A *point* of the grid is one dataset, one α, one method and one value of every ``--grid`` option that
+method reads; its seeds run as the repetitions of one run (``--reps``: one vmapped program on a
+GPU/TPU, one compiled set of functions reused on a CPU), in ``DIR/points/<point>/``, a run directory
+like any other (``pfedkdh report`` and ``pfedkdh resume`` work on it). The sweep directory holds:
+
+* ``sweep.json``: the grid and the run options (running the same command again continues the sweep;
+  another grid in the same directory is an error);
+* ``table.md`` / ``table.csv``: the paper's Table 2 layout — a row per method (pFedKDH as two, Fair and
+  EA), a column per dataset × α, cells the final mean ± std over seeds of the method's table metric
+  (personalized macro accuracy; the global model's for the shared-model methods), the best of each
+  column in bold;
+* ``costs.md``: seconds per round per point and its ratio to FedPer's on the same cell;
+* ``curves-<dataset>-a<alpha>.png``: accuracy vs round per cell, mean with a ± std band, one line
+  per method (the paper's Figure 2).
+
+Interrupted sweeps resume: a finished point is kept, a point with checkpoints resumes from the
+newest (bit-identical to an uninterrupted run), a point killed before its first checkpoint starts
+again; the tables are rebuilt from the run directories, so they equal an uninterrupted sweep's.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+from typing import Any, Callable
+
+from pfedkdh_jax.algorithms import METHODS
+from pfedkdh_jax.run.config import ConfigError, RunConfig, make_config
+
+# RunConfig fields that only some methods read (a --grid over one of them applies to those methods)
+_METHOD_FIELDS = {o for spec in METHODS.values() for o in spec.run_options}
+_AXES = ("dataset", "alpha", "method", "reps", "out")   # set by the sweep itself, per point
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    datasets: tuple[str, ...]
+    alphas: tuple[float, ...]
+    methods: tuple[str, ...]
+    seeds: int = 1                                   # repetitions per point: seeds seed, seed+1, ...
+    grid: tuple[tuple[str, tuple], ...] = ()         # ((RunConfig field, (values...)), ...)
+    preset: str = "default"
+    options: tuple[tuple[str, Any], ...] = ()        # other run options, shared by every point
+    method_args: tuple[tuple[str, tuple], ...] = ()  # ((method, ((key, text), ...)), ...)
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", options=None,
+               method_args=None) -> Sweep:
+    """A validated :class:`Sweep`: every point's config is built (and so checked) here."""
+    def listed(name, values):
+        values = tuple(values)
+        if not values:
+            raise ConfigError(f"--{name} needs at least one value")
+        if len(set(values)) != len(values):
+            raise ConfigError(f"--{name} lists a value twice: {', '.join(map(str, values))}")
+        return values
+    options = dict(options or {})
+    for key in options:
+        if key in _AXES:
+            raise ConfigError(f"{key!r} is an axis of the sweep (--{key}s / --seeds), not a run option")
+        if key not in RunConfig.__dataclass_fields__:
+            raise ConfigError(f"{key!r} is not a run option")
+    grid = dict(grid or {})
+    for key, values in grid.items():
+        if key in _AXES or key not in RunConfig.__dataclass_fields__:
+            raise ConfigError(f"--grid {key}: not a run option that a grid can vary")
+        listed(f"grid {key}", values)
+    if not isinstance(seeds, int) or seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1; got {seeds}")
+    sweep = Sweep(listed("datasets", datasets), tuple(float(a) for a in listed("alphas", alphas)),
+                  listed("methods", methods), seeds, tuple((k, tuple(v)) for k, v in grid.items()), preset,
+                  tuple(sorted(options.items())),
+                  tuple((m, tuple(tuple(p) for p in pairs)) for m, pairs in (method_args or {}).items()))
+    for m, _ in sweep.method_args:
+        if m not in sweep.methods:
+            raise ConfigError(f"--method-arg {m}:...: {m} is not one of the sweep's --methods")
+    points(sweep)  # builds (and validates) every point's config
+    return sweep
+
+
+def _grid_for(sweep: Sweep, method: str) -> list[tuple[str, tuple]]:
+    """The grid options ``method`` reads: shared options, and the method-only ones it uses."""
+    return [(k, v) for k, v in sweep.grid if k not in _METHOD_FIELDS or k in METHODS[method].run_options]
+
+
+def _fmt(v) -> str:
+    return str(v).replace("/", "_")
+
+
+def points(sweep: Sweep, out: str = "sweep") -> list[tuple[str, RunConfig]]:
+    """``[(point name, its RunConfig), ...]`` in table order."""
+    margs = dict(sweep.method_args)
+    result = []
+    for dataset, alpha, method in itertools.product(sweep.datasets, sweep.alphas, sweep.methods):
+        grid = _grid_for(sweep, method)
+        for values in itertools.product(*[v for _, v in grid]):
+            chosen = dict(zip([k for k, _ in grid], values))
+            name = f"{dataset}-a{_fmt(alpha)}-{method}" + "".join(f"-{k}{_fmt(v)}" for k, v in chosen.items())
+            try:
+                cfg = make_config(sweep.preset, **{**dict(sweep.options), **chosen}, dataset=dataset,
+                                  alpha=alpha, method=method, reps=sweep.seeds,
+                                  method_args=margs.get(method, ()),
+                                  out=os.path.join(out, "points", name))
+            except ConfigError as e:
+                raise ConfigError(f"sweep point {name}: {e}") from None
+            result.append((name, cfg))
+    return result
+
+
+def _status(run_dir: str) -> str:
+    """completed | checkpointed | started | new"""
+    summary = os.path.join(run_dir, "summary.json")
+    if os.path.exists(summary):
+        try:
+            with open(summary) as f:
+                if json.load(f).get("status") == "completed":
+                    return "completed"
+        except ValueError:
+            pass
+    ckpt = os.path.join(run_dir, "checkpoints")
+    if os.path.isdir(ckpt) and os.listdir(ckpt):
+        return "checkpointed"
+    return "started" if os.path.exists(run_dir) else "new"
+
+
+def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable = print) -> dict:
+    """Run (or continue) every point of ``sweep`` under ``out``, then write the tables and figures."""
+    from pfedkdh_jax.run.experiment import resume, run
+
+    os.makedirs(out, exist_ok=True)
+    spec_path = os.path.join(out, "sweep.json")
+    if os.path.exists(spec_path):
+        with open(spec_path) as f:
+            stored = json.load(f)
+        if stored != sweep.to_json():
+            raise ConfigError(f"{out} holds another sweep (its sweep.json differs); choose another --out")
+    else:
+        with open(spec_path, "w") as f:
+            json.dump(sweep.to_json(), f, indent=2)
+    todo = points(sweep, out)
+    for i, (name, cfg) in enumerate(todo):
+        status = _status(cfg.out)
+        log(f"[{i + 1}/{len(todo)}] {name}: " + {"completed": "done already", "checkpointed": "resuming",
+                                                  "started": "restarting (no checkpoint yet)",
+                                                  "new": "running"}[status])
+        if status == "completed":
+            continue
+        if status == "checkpointed":
+            resume(cfg.out, progress=progress, log=log)
+            continue
+        if status == "started":
+            shutil.rmtree(cfg.out)   # a point killed before its first checkpoint: nothing to keep
+        run(cfg, progress=progress, log=log)
+    return write_outputs(sweep, out)
+
+
+# ------------------------------------------------------------------------------------------ tables
+def _load(sweep: Sweep, out: str) -> list[dict]:
+    from pfedkdh_jax.run.report import load_run
+
+    found = []
+    for name, cfg in points(sweep, out):
+        run = load_run(cfg.out) if os.path.exists(os.path.join(cfg.out, "config.json")) else None
+        found.append({"name": name, "cfg": cfg, "run": run})
+    return found
+
+
+def _label(cfg: RunConfig, sweep: Sweep) -> str:
+    grid = _grid_for(sweep, cfg.method)
+    return cfg.method + "".join(f" {k}={getattr(cfg, k)}" for k, _ in grid if len(dict(grid)[k]) > 1)
+
+
+def table_rows(sweep: Sweep, out: str) -> tuple[list[str], list[dict]]:
+    """(column names, rows): a row per method (and EA row where a method reports one), a cell per
+    dataset × α with the final mean, std and number of seeds of the method's table metric."""
+    columns = [f"{d} α={a:g}" for d in sweep.datasets for a in sweep.alphas]
+    rows: dict[str, dict] = {}
+    for item in _load(sweep, out):
+        cfg, run = item["cfg"], item["run"]
+        col = f"{cfg.dataset} α={cfg.alpha:g}"
+        label = _label(cfg, sweep)
+        metric = METHODS[cfg.method].table_metric
+        summary = (run or {}).get("summary") or {}
+        for suffix, row_label in (("", label), ("_ea", f"{label} (EA)")):
+            key = metric + suffix
+            if suffix and key not in summary:
+                continue
+            row = rows.setdefault(row_label, {"row": row_label, "method": cfg.method, "metric": metric + suffix,
+                                              "cells": {}})
+            if key in summary:
+                row["cells"][col] = {"mean": summary[key], "std": summary.get(f"{key}_std", 0.0),
+                                     "seeds": summary.get("reps", 1), "status": summary.get("status"),
+                                     "rounds": summary.get("rounds_completed")}
+        if cfg.method == "pfedkdh" and label in rows:
+            rows[label]["row"] = label + " (Fair)"
+    return columns, list(rows.values())
+
+
+def table_markdown(columns: list[str], rows: list[dict]) -> str:
+    best = {c: max((r["cells"][c]["mean"] for r in rows if c in r["cells"]), default=None) for c in columns}
+    lines = ["| method | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for r in rows:
+        cells = []
+        for c in columns:
+            cell = r["cells"].get(c)
+            if cell is None:
+                cells.append("–")
+                continue
+            text = f"{100 * cell['mean']:.2f} ± {100 * cell['std']:.2f}"
+            if cell["status"] != "completed":
+                text += f" ({cell['status']}, {cell['rounds']} rounds)"
+            cells.append(f"**{text}**" if cell["mean"] == best[c] else text)
+        lines.append(f"| {r['row']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def costs_markdown(sweep: Sweep, out: str) -> str:
+    items = _load(sweep, out)
+    fedper = {(i["cfg"].dataset, i["cfg"].alpha): ((i["run"] or {}).get("summary") or {}).get("seconds_per_round")
+              for i in items if i["cfg"].method == "fedper"}
+    lines = ["| point | seconds per round (training, median) | ÷ FedPer's on the cell | evaluation (s, median) |",
+             "|---|---|---|---|"]
+    for i in items:
+        s = (i["run"] or {}).get("summary") or {}
+        spr, ref = s.get("seconds_per_round"), fedper.get((i["cfg"].dataset, i["cfg"].alpha))
+        ratio = f"{spr / ref:.2f}" if spr and ref else "–"
+        lines.append(f"| {i['name']} | {'–' if spr is None else f'{spr:.3f}'} | {ratio} | "
+                     f"{s.get('eval_seconds_median', 0.0):.3f} |")
+    return "\n".join(lines)
+
+
+def write_outputs(sweep: Sweep, out: str) -> dict:
+    """table.md, table.csv, costs.md and the per-cell figures from the point directories."""
+    from pfedkdh_jax.run.report import comparison_figure
+
+    columns, rows = table_rows(sweep, out)
+    text = table_markdown(columns, rows)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(f"Final mean ± std over {sweep.seeds} seed(s), %; best of each column in bold.\n\n{text}\n")
+    with open(os.path.join(out, "table.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["row", "method", "metric", "cell", "mean", "std", "seeds", "status", "rounds"])
+        for r in rows:
+            for c in columns:
+                if c in r["cells"]:
+                    cell = r["cells"][c]
+                    w.writerow([r["row"], r["method"], r["metric"], c, cell["mean"], cell["std"], cell["seeds"],
+                                cell["status"], cell["rounds"]])
+    with open(os.path.join(out, "costs.md"), "w") as f:
+        f.write(costs_markdown(sweep, out) + "\n")
+    figures = []
+    items = _load(sweep, out)
+    for d, a in itertools.product(sweep.datasets, sweep.alphas):
+        runs = [dict(i["run"], label=_label(i["cfg"], sweep)) for i in items
+                if i["run"] is not None and i["cfg"].dataset == d and i["cfg"].alpha == a]
+        if runs:
+            path = os.path.join(out, f"curves-{d}-a{_fmt(a)}.png")
+            comparison_figure(runs, path, title=f"{d}, α = {a:g}")
+            figures.append(path)
+    return {"table": text, "columns": columns, "rows": rows, "figures": figures, "out": out}

@@ -1,0 +1,100 @@
+"""``pfedkdh sweep``: a grid of datasets × α × methods × seeds on the digits demo set, its tables, and
+an interrupted sweep that resumes to the same tables."""
+
+import csv
+import json
+import os
+import shutil
+
+import pytest
+
+from pfedkdh_jax.run.cli import main as cli_main
+from pfedkdh_jax.run.config import ConfigError
+from pfedkdh_jax.run.sweep import make_sweep, points, run_sweep
+
+SMALL = dict(rounds=2, num_clients=4, aux_size=100, local_epochs=1, checkpoint_every=1)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def grid():
+    return make_sweep(["digits"], [0.5, 1.0], ["fedper", "fedavg"], seeds=2, options=SMALL)
+
+
+def csv_rows(out):
+    with open(os.path.join(out, "table.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def test_sweep_tables_rerun_and_interrupted_resume(tmp_path):
+    a = str(tmp_path / "a")
+    log = []
+    result = run_sweep(grid(), a, log=log.append)
+    rows = csv_rows(a)
+    # 2 methods × 2 cells; FedAvg's row is its global model's, FedPer's the personalized metric
+    assert len(rows) == 4 and {r["seeds"] for r in rows} == {"2"}
+    assert {(r["method"], r["metric"]) for r in rows} == {("fedper", "personalized_macro_accuracy"),
+                                                          ("fedavg", "global_macro_accuracy")}
+    assert all(float(r["std"]) > 0 for r in rows)      # two seeds that differ
+    table = open(os.path.join(a, "table.md")).read()
+    assert "digits α=0.5" in table and "digits α=1" in table and table.count("**") == 4  # one bold per column
+    costs = open(os.path.join(a, "costs.md")).read()
+    assert costs.count("| 1.00 |") == 2                  # FedPer ÷ itself, per cell
+    assert len(result["figures"]) == 2 and all(os.path.exists(p) for p in result["figures"])
+    for name, cfg in points(grid(), a):                  # one run directory per point, with 2 repetitions
+        summary = json.load(open(os.path.join(cfg.out, "summary.json")))
+        assert summary["status"] == "completed" and len(summary["repetitions"]) == 2
+
+    # the same command again: nothing reruns
+    again = []
+    run_sweep(grid(), a, log=again.append)
+    assert sum("done already" in line for line in again) == 4
+
+    # another grid in the same directory is refused
+    with pytest.raises(ConfigError, match="another sweep"):
+        run_sweep(make_sweep(["digits"], [0.5], ["fedper"], seeds=2, options=SMALL), a, log=lambda m: None)
+
+    # interrupted: killed when the third point starts; the second point lost its summary (killed after
+    # its checkpoints), and the third left a directory without any checkpoint
+    b = str(tmp_path / "b")
+
+    def stop_at_third(msg):
+        if msg.startswith("[3/4]"):
+            raise Interrupted
+    with pytest.raises(Interrupted):
+        run_sweep(grid(), b, log=stop_at_third)
+    second, third = points(grid(), b)[1][1].out, points(grid(), b)[2][1].out
+    os.remove(os.path.join(second, "summary.json"))
+    os.makedirs(third)
+    shutil.copy(os.path.join(points(grid(), b)[0][1].out, "config.json"), third)
+    resumed = []
+    run_sweep(grid(), b, log=resumed.append)
+    assert any(line.startswith("[2/4]") and "resuming" in line for line in resumed)
+    assert any(line.startswith("[3/4]") and "restarting" in line for line in resumed)
+    assert csv_rows(b) == rows                            # the tables of the uninterrupted sweep
+
+
+def test_sweep_grid_applies_to_the_methods_that_read_it():
+    sweep = make_sweep(["digits"], [0.5], ["pfedkdh", "fedper"], grid={"lam": [0.0, 0.5], "lr": [0.01, 0.02]},
+                       options=SMALL)
+    names = [n for n, _ in points(sweep)]
+    # pFedKDH: 2 λ × 2 lr; FedPer reads lr only (λ is pFedKDH's)
+    assert len([n for n in names if "pfedkdh" in n]) == 4 and len([n for n in names if "fedper" in n]) == 2
+    assert {round(c.lam, 2) for n, c in points(sweep) if "pfedkdh" in n} == {0.0, 0.5}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "fedper,nope"], "--method must be one of"),
+    (["--alphas", "0.5,x"], "--alphas must be comma-separated numbers"),
+    (["--grid", "lam"], "--grid must be OPTION=V1,V2"),
+    (["--grid", "nonsense=1,2"], "not a run option"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--methods", "fedper,fedper"], "lists a value twice"),
+    (["--method-arg", "fedrep:head_epochs=2"], "not one of the sweep's --methods"),
+])
+def test_sweep_bad_options_are_one_line_errors(argv, message, capsys):
+    assert cli_main(["sweep", "--datasets", "digits", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
