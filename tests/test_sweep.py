@@ -42,6 +42,7 @@ def test_sweep_tables_rerun_and_interrupted_resume(tmp_path):
     assert "digits α=0.5" in table and "digits α=1" in table and table.count("**") == 4  # one bold per column
     costs = open(os.path.join(a, "costs.md")).read()
     assert costs.count("| 1.00 |") == 2                  # FedPer ÷ itself, per cell
+    assert costs.count("2.308 / 2.308") == 2 and costs.count("2.328 / 2.328") == 2  # FedPer: body; FedAvg: all
     assert len(result["figures"]) == 2 and all(os.path.exists(p) for p in result["figures"])
     for name, cfg in points(grid(), a):                  # one run directory per point, with 2 repetitions
         summary = json.load(open(os.path.join(cfg.out, "summary.json")))

@@ -19,6 +19,8 @@ piece                  what it is                                               
 ``eval_models``        ``(state) -> EvalModels``: what an evaluation scores                 –
 ``personalization``    evaluation-time adaptation (:class:`Personalization`) the engine    ``None``
                        runs for every client before scoring, or ``None``
+``messages``           ``(state, update) -> (download, upload)``: what one selected client     ``None``
+                       receives and sends in a round (counted in bytes, never transferred)
 ``phases``             consecutive phases of rounds, each run by an algorithm of its own   one: itself
                        on the same state (:class:`Phase`; FedFed's two phases)
 =====================  ==================================================================  ============
@@ -168,6 +170,12 @@ class Algorithm:
     def eval_models(self, state: PyTree) -> EvalModels:
         raise NotImplementedError
 
+    def messages(self, state: PyTree, update: ClientUpdate) -> tuple[PyTree, PyTree] | None:
+        """``(download, upload)``: the pytrees one selected client receives from the server and sends
+        back in a round (``update`` is that client's :class:`ClientUpdate`, unstacked). The run
+        counts their bytes (``summary.json``: ``bytes_per_client_round``); ``None``: not counted."""
+        return None
+
     @property
     def personalization(self) -> Personalization | None:
         return None
@@ -177,3 +185,26 @@ class Algorithm:
     def phases(self) -> tuple[Phase, ...]:
         """The phases of a run, in order. Default: one, this algorithm for every round."""
         return (Phase(self),)
+
+
+def message_bytes(algorithm: Algorithm, data, key: jax.Array) -> dict | None:
+    """Bytes one selected client downloads and uploads in a round of ``algorithm``, from the shapes of
+    its :meth:`Algorithm.messages` (nothing is computed: ``jax.eval_shape``); per phase for a method of
+    several (``{"phase1": {...}, ...}``); ``None`` where a method does not count them."""
+    state = jax.eval_shape(lambda k: algorithm.init(k, data), key)
+
+    def count(algo: Algorithm):
+        def messages(s):
+            k0 = jax.numpy.zeros((), jax.numpy.int32)
+            local = algo.client_start(s, data, k0, key)
+            return algo.messages(s, algo.client_finish(s, data, k0, local, key))
+        shapes = jax.eval_shape(messages, state)
+        if shapes is None:
+            return None
+        size = lambda t: int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(t)))  # noqa: E731
+        return {"download": size(shapes[0]), "upload": size(shapes[1])}
+
+    phases = algorithm.phases
+    if len(phases) == 1:
+        return count(phases[0].algorithm)
+    return {f"phase{i + 1}": count(p.algorithm) for i, p in enumerate(phases)}

@@ -85,6 +85,10 @@ class Ditto(Algorithm):
         return (ce(params["global"], rng) + ce(params["personal"], jax.random.fold_in(rng, 1))
                 + losses.proximal(params["personal"], ctx, self.config.lam))
 
+    def messages(self, state: DittoState, update: ClientUpdate):
+        """The global model down, its trained copy up; the personal model stays."""
+        return state.params, update.params["global"]
+
     def client_start(self, state: DittoState, data: FederatedData, client: jax.Array,
                      key: jax.Array) -> LocalState:
         params = {"global": state.params, "personal": C.take(state.personal, client)}

@@ -160,6 +160,10 @@ class FedALA(Algorithm):
         head = mix_heads(local_head, glob["head"], new_weights)
         return head, new_weights, started | ~same
 
+    def messages(self, state: FedALAState, update: ClientUpdate):
+        """The global model down, the local model up."""
+        return state.params, update.params
+
     def client_start(self, state: FedALAState, data: FederatedData, client: jax.Array,
                      key: jax.Array) -> LocalState:
         """ALA initialisation: global backbone, adaptively aggregated head; W travels in ``aux``."""

@@ -51,6 +51,10 @@ class FedAvg(Algorithm):
         """Mean cross-entropy of one batch (masked)."""
         return C.cross_entropy_loss(self.model)(params, ctx, x, y, mask, rng)
 
+    def messages(self, state: C.SharedModelState, update: ClientUpdate):
+        """The global model down, the trained model up."""
+        return {"backbone": state.backbone, "head": state.head}, update.params
+
     def client_start(self, state: C.SharedModelState, data: FederatedData, client: jax.Array,
                      key: jax.Array) -> LocalState:
         """Client ``client`` starts from the global model."""

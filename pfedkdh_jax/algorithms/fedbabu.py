@@ -80,6 +80,10 @@ class FedBABU(FedAvg):
         return C.sgd_trainer(C.cross_entropy_loss(self.model), C.body_only(optax.sgd(self.config.lr)),
                              self.config)
 
+    def messages(self, state: C.SharedModelState, update: ClientUpdate):
+        """The body down and up; the frozen head is φ⁰ everywhere and never sent."""
+        return state.backbone, update.params["backbone"]
+
     def server_update(self, state: C.SharedModelState, data: FederatedData, selected: jax.Array,
                       updates: ClientUpdate, key: jax.Array) -> tuple[C.SharedModelState, dict]:
         """θ_g ← Σ n_k θ_k / Σ n_k; the head is not uploaded (it is φ⁰ everywhere)."""

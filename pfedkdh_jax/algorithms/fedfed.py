@@ -165,6 +165,10 @@ class FedFed(_FedFedBase):
         c = self.config
         return optax.sgd(c.lr), optax.adamw(c.vae_lr, weight_decay=c.vae_weight_decay)
 
+    def messages(self, state: FedFedState, update: ClientUpdate):
+        """Phase A: f and the VAE down and up (the VAE's optimizer state stays with the client)."""
+        return (state.params, state.vae), update.params
+
     def client_start(self, state: FedFedState, data: FederatedData, client: jax.Array,
                      key: jax.Array) -> LocalState:
         """The global f and VAE; the client's own AdamW state of the VAE."""
@@ -295,6 +299,10 @@ class FedFedAvg(_FedFedBase):
 
     def local_samples(self, n: int) -> int:
         return 2 * n   # its own n_k and as many pool draws
+
+    def messages(self, state: FedFedState, update: ClientUpdate):
+        """Phase B: f down and up (the pool reached every client once, entering the phase)."""
+        return state.params, update.params
 
     def client_start(self, state: FedFedState, data: FederatedData, client: jax.Array,
                      key: jax.Array) -> LocalState:

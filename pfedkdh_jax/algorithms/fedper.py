@@ -51,6 +51,10 @@ class FedPer(Algorithm):
         """Base and head trained together: one SGD over the full model."""
         return C.sgd_trainer(C.cross_entropy_loss(self.model), optax.sgd(self.config.lr), self.config)
 
+    def messages(self, state: C.PersonalHeadsState, update: ClientUpdate):
+        """The base down and up; the head stays with the client."""
+        return state.backbone, update.params["backbone"]
+
     def client_start(self, state: C.PersonalHeadsState, data: FederatedData, client: jax.Array,
                      key: jax.Array) -> LocalState:
         """θ_k ← θ_g; the client takes up its persistent head φ_k."""

@@ -123,6 +123,11 @@ class FedProto(Algorithm):
         dist = jnp.mean(jnp.square(z - target), axis=-1) * ctx["has_proto"][y]
         return ce + self.config.lam * losses.masked_mean(dist, mask)
 
+    def messages(self, state: FedProtoState, update: ClientUpdate):
+        """The global prototypes (and which classes have one) down; the client's prototypes and
+        class counts up. No weights travel."""
+        return (state.protos, state.has_proto), update.aux
+
     def client_start(self, state: FedProtoState, data: FederatedData, client: jax.Array,
                      key: jax.Array) -> LocalState:
         return C.start_local(self.trainer, C.take(state.models, client), data, client, key)

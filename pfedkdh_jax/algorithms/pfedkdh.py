@@ -219,6 +219,12 @@ class PFedKDH(Algorithm):
             trust = (p_t > losses.true_class_probability(jax.lax.stop_gradient(student), y)).astype(kd.dtype)
         return kd, trust
 
+    def messages(self, state: PFedKDHState, update: ClientUpdate):
+        """θ_g and the teacher head φ_g down (the teacher's logits are computed on the client); the
+        backbone up (and the head, when heads are averaged)."""
+        up = update.params["backbone"] if self.config.persistent_heads else update.params
+        return {"backbone": state.backbone, "teacher_head": state.teacher_head}, up
+
     def client_start(self, state: PFedKDHState, data: FederatedData, client: jax.Array,
                      key: jax.Array) -> LocalState:
         """Client ``client`` sets θ_k ← θ_g and takes up its own persistent head φ_k."""

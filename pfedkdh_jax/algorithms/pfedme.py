@@ -105,6 +105,10 @@ class PFedMe(Algorithm):
         w = jax.tree_util.tree_map(lambda wt, t: wt - c.lr * c.lam * (wt - t), w, theta)
         return loss, {"w": w, "theta": theta}, opt_state
 
+    def messages(self, state: PFedMeState, update: ClientUpdate):
+        """w^t down, the local w_k up."""
+        return state.params, update.params["w"]
+
     def client_start(self, state: PFedMeState, data: FederatedData, client: jax.Array,
                      key: jax.Array) -> LocalState:
         """w_k ← w^t and θ ← w^t."""

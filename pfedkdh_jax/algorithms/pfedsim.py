@@ -131,6 +131,11 @@ class PFedSim(Algorithm):
         body = jax.tree_util.tree_map(lambda x: jnp.tensordot(a, x, axes=1), state.models["backbone"])
         return {"backbone": body, "head": C.take(state.models["head"], client)}
 
+    def messages(self, state: PFedSimState, update: ClientUpdate):
+        """A whole model down (the global one in the warm-up; later a mixed body and the client's
+        stored classifier) and the trained model up."""
+        return state.params, update.params
+
     def client_start(self, state: PFedSimState, data: FederatedData, client: jax.Array,
                      key: jax.Array) -> LocalState:
         """The global model during the warm-up, the mixed download afterwards."""

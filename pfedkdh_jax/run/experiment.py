@@ -20,6 +20,7 @@ import numpy as np
 from pfedkdh_jax import algorithms
 from pfedkdh_jax import data as data_lib
 from pfedkdh_jax.data.device import build_federated_data
+from pfedkdh_jax.algorithms.base import message_bytes
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import tree_stack
 from pfedkdh_jax.engine.runner import PhasedRunner, sample_schedule
@@ -211,6 +212,7 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
         bar.set_postfix(records.postfix(row))
     bar.close()
     summary = records.summary(cfg, history, part_summary, runner, status="completed")
+    summary["bytes_per_client_round"] = message_bytes(algo, data, streams(cfg.seed)["init"])
     summary["total_seconds"] = time.perf_counter() - t_start
     records.write_json(os.path.join(out_dir, "summary.json"), summary)
     try:

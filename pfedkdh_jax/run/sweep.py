@@ -12,7 +12,9 @@ like any other (``pfedkdh report`` and ``pfedkdh resume`` work on it). The sweep
   EA), a column per dataset × α, cells the final mean ± std over seeds of the method's table metric
   (personalized macro accuracy; the global model's for the shared-model methods), the best of each
   column in bold;
-* ``costs.md``: seconds per round per point and its ratio to FedPer's on the same cell;
+* ``costs.md``: seconds per round per point, its ratio to FedPer's on the same cell, and the bytes one
+  selected client downloads and uploads per round (from the shapes of the method's ``messages``; the
+  paper's O(|S_t|·P_b) argument);
 * ``curves-<dataset>-a<alpha>.png``: accuracy vs round per cell, mean with a ± std band, one line
   per method (the paper's Figure 2).
 
@@ -228,15 +230,24 @@ def costs_markdown(sweep: Sweep, out: str) -> str:
     items = _load(sweep, out)
     fedper = {(i["cfg"].dataset, i["cfg"].alpha): ((i["run"] or {}).get("summary") or {}).get("seconds_per_round")
               for i in items if i["cfg"].method == "fedper"}
-    lines = ["| point | seconds per round (training, median) | ÷ FedPer's on the cell | evaluation (s, median) |",
-             "|---|---|---|---|"]
+    lines = ["| point | seconds per round (training, median) | ÷ FedPer's on the cell | evaluation (s, median) "
+             "| MB down / up per selected client and round |", "|---|---|---|---|---|"]
     for i in items:
         s = (i["run"] or {}).get("summary") or {}
         spr, ref = s.get("seconds_per_round"), fedper.get((i["cfg"].dataset, i["cfg"].alpha))
         ratio = f"{spr / ref:.2f}" if spr and ref else "–"
         lines.append(f"| {i['name']} | {'–' if spr is None else f'{spr:.3f}'} | {ratio} | "
-                     f"{s.get('eval_seconds_median', 0.0):.3f} |")
+                     f"{s.get('eval_seconds_median', 0.0):.3f} | {_traffic(s.get('bytes_per_client_round'))} |")
     return "\n".join(lines)
+
+
+def _traffic(counted) -> str:
+    """``{"download": b, "upload": b}`` (or one such per phase) as MB."""
+    if not counted:
+        return "–"
+    if "download" in counted:
+        return f"{counted['download'] / 1e6:.3f} / {counted['upload'] / 1e6:.3f}"
+    return "; ".join(f"{phase}: {_traffic(c)}" for phase, c in counted.items())
 
 
 def write_outputs(sweep: Sweep, out: str) -> dict:
