@@ -26,7 +26,7 @@ from pfedkdh_jax.engine.local import tree_stack
 from pfedkdh_jax.engine.runner import PhasedRunner, sample_schedule
 from pfedkdh_jax.run.checkpoint import CheckpointError, Checkpoints, fingerprint
 from pfedkdh_jax.run.config import ConfigError, RunConfig, validate
-from pfedkdh_jax.run import records
+from pfedkdh_jax.run import preflight, records
 
 
 class DivergenceError(RuntimeError):
@@ -130,6 +130,7 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
     layout = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps).resolved()
     seeds = [cfg.seed + r for r in range(cfg.reps)]
     batched = cfg.reps > 1 and resolved_reps_mode(cfg) == "vmap"
+    preflight.check(cfg, algo, data, layout, batched)   # one line, before anything is initialised
     # Auto axes: XLA's sharding propagation places everything from the inputs' shardings.
     mesh = (jax.make_mesh((jax.device_count(),), ("devices",), axis_types=(jax.sharding.AxisType.Auto,))
             if jax.device_count() > 1 else None)

@@ -1,0 +1,110 @@
+"""Memory pre-flight: before anything is initialised or compiled for a run, estimate the bytes it will
+hold at its peak and stop with one line when they exceed the device's.
+
+The estimate has three terms:
+
+* **states**: the algorithm state's bytes (from ``jax.eval_shape`` of ``init``: nothing is allocated)
+  for every repetition — all repetitions' states are held, whichever ``--reps-mode`` — times 3 for
+  the local copies, gradients and optimizer states of a round;
+* **data**: the pool and index tables already on the device;
+* **local training**: XLA's own count of the temporary buffers of one training step of the model at
+  the run's batch size (``memory_analysis`` of a compiled, never-run step: about a second once per
+  process and shape), times the clients that train at once (the round's clients with
+  ``--client-parallel vmap``, else one) and the repetitions vmapped together.
+
+It errs on the low side (a method's extra terms — distillation, a VAE — add to the step), so it
+catches the runs that cannot fit, not every one that barely does. ``PFEDKDH_SKIP_PREFLIGHT=1``
+turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pfedkdh_jax.run.config import ConfigError
+
+MARGIN = 0.9   # of the available memory
+
+
+def available_bytes() -> int | None:
+    """Memory the run may use: the accelerator's limit, or the host's available memory on a CPU."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        return int(limit - stats.get("bytes_in_use", 0)) if limit else None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _tree_bytes(tree) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+@functools.lru_cache(maxsize=16)
+def step_temp_bytes(num_classes: int, input_shape: tuple, batch: int) -> int:
+    """Temporary bytes of one SGD step of the CNN on a batch, as XLA's buffer assignment counts them."""
+    from pfedkdh_jax.model import CNN
+
+    model = CNN(num_classes)
+
+    def step(params, x, y):
+        def loss(p):
+            logp = jax.nn.log_softmax(model.logits(p, x))
+            return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+        g = jax.grad(loss)(params)
+        return jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, params, g)
+
+    params = jax.eval_shape(lambda k: model.init(k, input_shape), jax.random.key(0))
+    compiled = jax.jit(step).lower(params, jax.ShapeDtypeStruct((batch, *input_shape), jnp.float32),
+                                   jax.ShapeDtypeStruct((batch,), jnp.int32)).compile()
+    analysis = compiled.memory_analysis()
+    return int(analysis.temp_size_in_bytes) if analysis is not None else 0
+
+
+def estimate(cfg, algo, data, layout, batched_reps: bool) -> dict:
+    """The three terms (bytes) and their sum."""
+    state = jax.eval_shape(lambda k: algo.init(k, data), jax.random.key(0))
+    states = 3 * _tree_bytes(state) * cfg.reps
+    data_bytes = _tree_bytes(data)
+    together = (cfg.clients_per_round if layout.client_parallel == "vmap" else 1) * (cfg.reps if batched_reps else 1)
+    step = step_temp_bytes(data.num_classes, tuple(data.input_shape), cfg.batch_size) * together
+    return {"states": states, "data": data_bytes, "local_training": step, "total": states + data_bytes + step,
+            "clients_at_once": together}
+
+
+def check(cfg, algo, data, layout, batched_reps: bool, available: int | None = None) -> dict | None:
+    """Raise :class:`ConfigError` (one line saying what to lower) when the estimate exceeds
+    ``MARGIN`` of ``available`` (default: :func:`available_bytes`); return the estimate."""
+    if os.environ.get("PFEDKDH_SKIP_PREFLIGHT") == "1":
+        return None
+    est = estimate(cfg, algo, data, layout, batched_reps)
+    available = available_bytes() if available is None else available
+    if available is None or est["total"] <= MARGIN * available:
+        return est
+    gb = lambda b: f"{b / 2 ** 30:.1f} GiB" if b >= 2 ** 30 else f"{b / 2 ** 20:.1f} MiB"  # noqa: E731
+    biggest = max(("states", "local_training", "data"), key=lambda k: est[k])
+    advice = {
+        "states": f"fewer --reps ({cfg.reps} states of {gb(est['states'] / cfg.reps / 3)} each are held)",
+        "local_training": (f"a smaller --batch-size ({cfg.batch_size})"
+                           + (", --client-parallel sequential" if layout.client_parallel == "vmap" else "")
+                           + (", --reps-mode sequential" if batched_reps else "")),
+        "data": "a smaller dataset or --aux-size",
+    }[biggest]
+    raise ConfigError(f"this run needs about {gb(est['total'])} of memory (states {gb(est['states'])}, local "
+                      f"training {gb(est['local_training'])} for {est['clients_at_once']} client(s) at once, data "
+                      f"{gb(est['data'])}) but {gb(available)} is available; try {advice} "
+                      "(PFEDKDH_SKIP_PREFLIGHT=1 skips this check)")

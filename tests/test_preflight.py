@@ -1,0 +1,51 @@
+"""Memory pre-flight: runs that cannot fit stop with one line before anything is compiled."""
+
+import time
+
+import pytest
+
+from pfedkdh_jax.run import preflight
+from pfedkdh_jax.run.cli import main as cli_main
+
+GiB = 2 ** 30
+
+
+@pytest.fixture
+def eight_gib(monkeypatch):
+    monkeypatch.setattr(preflight, "available_bytes", lambda: 8 * GiB)
+
+
+@pytest.mark.parametrize("flags, advice", [
+    (["--batch-size", "100000"], "a smaller --batch-size (100000)"),
+    (["--reps", "100000"], "fewer --reps"),
+    (["--batch-size", "20000", "--client-parallel", "vmap"], "--client-parallel sequential"),
+])
+def test_runs_that_cannot_fit_stop_with_one_line(flags, advice, eight_gib, tmp_path, capsys):
+    t0 = time.perf_counter()
+    code = cli_main(["run", "--rounds", "1", "--no-progress", "--out", str(tmp_path / "r"), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "of memory" in err[0] and advice in err[0], err
+    assert time.perf_counter() - t0 < 60          # no initialisation of 100000 states, no round compiled
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_the_step_estimate_is_xla_s_and_scales_with_the_batch():
+    small, large = (preflight.step_temp_bytes(10, (28, 28, 1), b) for b in (64, 6400))
+    # the CNN's activations: conv1 alone keeps 24·24·32 float32 per sample
+    assert small >= 64 * 24 * 24 * 32 * 4
+    assert 50 * small < large < 200 * small
+
+
+def test_an_ordinary_run_passes(monkeypatch):
+    from pfedkdh_jax import algorithms
+    from pfedkdh_jax.data.device import build_federated_data
+    from pfedkdh_jax.engine.layout import Layout
+    from pfedkdh_jax.run.config import make_config
+    from pfedkdh_jax.run.experiment import prepare_data
+
+    cfg = make_config("default")
+    pool, part, _ = prepare_data(cfg)
+    data = build_federated_data(pool, part)
+    est = preflight.check(cfg, algorithms.build(cfg, pool.num_classes), data, Layout().resolved(), False,
+                          available=8 * GiB)
+    assert est is not None and 0 < est["total"] < GiB
