@@ -82,7 +82,11 @@ def two_rounds(algo, data, layout, seed=0, selected=SELECTED, vmapped=None):
     return state, metrics, traces
 
 
-@pytest.mark.parametrize("name", list(algorithms.METHODS))
+# FedFed's phase A (a VAE and three passes a batch) takes minutes per test to compile on a 2-core CPU
+NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "fedfed" else n for n in algorithms.METHODS]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_every_layout_computes_the_same_round_and_evaluation(tiny, name):
     _, _, data = tiny
     algo = build(name, data.num_classes)
@@ -105,7 +109,7 @@ def test_every_layout_computes_the_same_round_and_evaluation(tiny, name):
     assert 0.0 <= float(ev0["personalized_macro_accuracy"]) <= 1.0
 
 
-@pytest.mark.parametrize("name", list(algorithms.METHODS))
+@pytest.mark.parametrize("name", NAMES)
 def test_repetitions_vmapped_equal_their_solo_runs(tiny, name):
     _, _, data = tiny
     algo = build(name, data.num_classes)
