@@ -85,6 +85,8 @@ class _ClientCalls:
             self.finish_one = compiled(f"{prefix}client_finish", finish, (0, None, 0, 0, 0))
             self.finish_all = compiled(f"{prefix}client_finish_vmap",
                                        jax.vmap(finish, in_axes=(None, None, 0, 0, None)), (0, None, 0, 0, 0))
+        else:
+            self.finish_one = self.finish_all = None   # the local states are the result
 
     def calls(self, clients: np.ndarray) -> tuple[int, int]:
         """(chunk calls, single-step calls) for the largest of ``clients`` (one call with a scan)."""
@@ -93,32 +95,28 @@ class _ClientCalls:
         steps = int(self.problem.trainer.num_steps(self.problem.size(int(self.sizes[np.ravel(clients)].max()))))
         return divmod(steps, self.layout.chunk_steps)
 
+    def _drive(self, start, train, step, finish, state, ctx, data, sel, clients, key):
+        """One plan for both layouts: start, the chunks, the single tail steps, finish."""
+        local = start(state, data, sel, key)
+        chunks, steps = self.calls(clients)
+        for _ in range(chunks):
+            local = train(local, ctx, data, sel)
+        for _ in range(steps):
+            local = step(local, ctx, data, sel)
+        return local if self.problem.finish is None else finish(state, data, sel, local, key)
+
     def run_all(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place):
         """Every one of ``clients`` (host ints ``[C]``, or ``[R, C]``) vmapped: stacked results."""
         sel = place(jnp.asarray(clients, jnp.int32))
-        local = self.start_all(state, data, sel, key)
-        chunks, steps = self.calls(clients)
-        for _ in range(chunks):
-            local = self.train_all(local, ctx, data, sel)
-        for _ in range(steps):
-            local = self.step_all(local, ctx, data, sel)
-        return local if self.problem.finish is None else self.finish_all(state, data, sel, local, key)
+        return self._drive(self.start_all, self.train_all, self.step_all, self.finish_all,
+                           state, ctx, data, sel, clients, key)
 
     def run_each(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place):
         """Every one of ``clients`` one after another (one per repetition at a time with ``[R, C]``)."""
         clients = np.asarray(clients)
-        out = []
-        for c in range(clients.shape[-1]):
-            k = clients[..., c]
-            kk = place(jnp.asarray(k, jnp.int32))
-            local = self.start_one(state, data, kk, key)
-            chunks, steps = self.calls(k)
-            for _ in range(chunks):
-                local = self.train_one(local, ctx, data, kk)
-            for _ in range(steps):
-                local = self.step_one(local, ctx, data, kk)
-            out.append(local if self.problem.finish is None else self.finish_one(state, data, kk, local, key))
-        return out
+        return [self._drive(self.start_one, self.train_one, self.step_one, self.finish_one,
+                            state, ctx, data, place(jnp.asarray(clients[..., c], jnp.int32)), clients[..., c], key)
+                for c in range(clients.shape[-1])]
 
 
 class RoundRunner:
