@@ -70,6 +70,7 @@ class _ClientCalls:
                                       ctx_axes, steps=True)
             self.train_all = compiled(f"{prefix}train_scan_vmap", lambda s, c, d, k: vtrain(s, c, d, k, m),
                                       ctx_axes, steps=True)
+            self.step_one = self.step_all = None   # one scan call takes every step: no tail steps
         else:
             n = layout.chunk_steps
             self.train_one = compiled(f"{prefix}train_chunk", lambda s, c, d, k: train(s, c, d, k, n),
