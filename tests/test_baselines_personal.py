@@ -358,7 +358,7 @@ def test_fedala_server_averages_whole_models(tiny, trained):
 def test_cli_smoke_run(tmp_path, name):
     out = tmp_path / name
     args = ["run", "--preset", "smoke", "--method", name, "--out", str(out), "--no-progress",
-            "--chunk-steps", "4"]
+            "--chunk-steps", "1"]
     assert cli.main(args) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2

@@ -396,7 +396,7 @@ def test_cli_smoke_run(name, tmp_path, capsys):
     out = tmp_path / name
     extra = [a for arg in SMOKE_ARGS.get(name, []) for a in ("--method-arg", arg)]
     rc = cli.main(["run", "--preset", "smoke", "--method", name, "--out", str(out), "--no-progress",
-                   "--chunk-steps", "4", *extra])
+                   "--chunk-steps", "1", *extra])
     assert rc == 0, capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == name and summary["status"] == "completed"
