@@ -9,6 +9,9 @@
 
 On XLA:CPU a convolution inside a while loop is ~15–20× slower than the same steps unrolled, so the CPU
 default is sequential + unrolled; on GPU/TPU the default is vmap + scan, one compiled call per round.
+* ``lanes``: with ``vmap`` + ``scan``, pack the round's jobs into this many lanes of near-equal local
+  work instead of giving every client the largest client's steps (:mod:`pfedkdh_jax.engine.packing`).
+
 All forms compute the same numbers (tests check it). BENCHMARKS.md has the figures.
 """
 
@@ -31,6 +34,8 @@ class Layout:
     client_parallel: str | None = None   # "vmap" | "sequential"
     step_loop: str | None = None         # "scan" | "unrolled"
     chunk_steps: int = 8                 # steps per compiled chunk when step_loop == "unrolled"
+    lanes: int | None = None             # pack each round's (run, client) jobs into this many lanes
+                                         # (engine/packing.py; vmap + scan only); None: one per job
 
     def resolved(self, backend: str | None = None) -> "Layout":
         backend = backend or jax.default_backend()
@@ -45,6 +50,13 @@ class Layout:
             raise ValueError(f"step_loop must be one of {STEP_LOOPS}, got {cfg.step_loop!r}")
         if cfg.chunk_steps < 1:
             raise ValueError(f"chunk_steps must be >= 1, got {cfg.chunk_steps}")
+        if cfg.lanes is not None:
+            if cfg.lanes < 1:
+                raise ValueError(f"lanes must be >= 1, got {cfg.lanes}")
+            if (cfg.client_parallel, cfg.step_loop) != ("vmap", "scan"):
+                raise ValueError("lanes packs vmapped clients inside one compiled round: it needs "
+                                 f"client_parallel='vmap' and step_loop='scan' (got {cfg.client_parallel!r}, "
+                                 f"{cfg.step_loop!r})")
         return cfg
 
 

@@ -8,7 +8,9 @@ synchronisation:
 * ``vmap`` + ``unrolled``: start all selected clients, call a compiled chunk of ``chunk_steps`` steps
   as often as the largest selected client needs (its last steps one at a time), finish them, update;
 * ``sequential``: the same client by client, with one compiled function per piece reused by every
-  client, then the updates stacked for the server.
+  client, then the updates stacked for the server;
+* ``vmap`` + ``scan`` with ``lanes``: one compiled call whose local work, of every repetition at once,
+  is packed into lanes (:mod:`pfedkdh_jax.engine.packing`).
 
 Evaluations follow the same layout (features in compiled chunks or one ``lax.map``). ``traces`` counts
 how often each piece was traced, so tests can assert that nothing recompiles after the first round.
@@ -36,6 +38,7 @@ from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.evaluate import evaluation, image_problem, make_evaluate
 from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer, tree_stack
+from pfedkdh_jax.engine.packing import make_packed_round
 from pfedkdh_jax.engine.round import LocalProblem, make_round, max_local_steps
 from pfedkdh_jax.engine.sharding import leading_axis_sharding, per_device, replicated
 
@@ -163,6 +166,8 @@ class RoundRunner:
                 updates = per_device(updates, mesh, (None, None, 0, None))
             return algo.server_update(state, data, selected, updates(state, data, selected, key), key)
         self._fused = compiled("round", fused, (0, None, 0, 0), steps=True)
+        if self.layout.lanes is not None:
+            self._fused = self._packed(algo, reps, multi, train_options)
 
         # --- evaluation
         ev, model = self.evaluate_fn, algo.model
@@ -186,6 +191,21 @@ class RoundRunner:
                                           sizes, "personalize_")
             self._personal_models = compiled("personalized_models", p.models, (0, 0))
             self._personal_fused = compiled("personalize", ev.adapted_on_images, (0, None, 0), steps=True)
+
+    def _packed(self, algo, reps, multi, options):
+        """The one-call round with the local work of all repetitions packed into lanes."""
+        if multi:
+            raise ValueError("lanes packs a round's work on one device: run it without a device mesh "
+                             "(one visible device)")
+        packed = make_packed_round(algo, self.layout)
+
+        def round_(state, data, selected, key):
+            self.traces["round"] += 1
+            if reps is not None:
+                return packed(state, data, selected, key)
+            lead = jax.tree_util.tree_map(lambda a: a[None], (state, selected, key))
+            return jax.tree_util.tree_map(lambda a: a[0], packed(lead[0], data, lead[1], lead[2]))
+        return jax.jit(round_, compiler_options=options)
 
     @property
     def fused(self) -> bool:

@@ -49,6 +49,8 @@ _FLAGS = [
     ("--client-parallel", "client_parallel", str, "vmap | sequential (default: per backend)"),
     ("--step-loop", "step_loop", str, "scan | unrolled (default: per backend)"),
     ("--chunk-steps", "chunk_steps", int, "local steps per compiled chunk when unrolled"),
+    ("--lanes", "lanes", int, "pack each round's (repetition, client) local work into this many lanes "
+                              "(needs --client-parallel vmap --step-loop scan; default: off)"),
     ("--eval-chunk", "eval_chunk", int, "samples per feature chunk in evaluation"),
     ("--divergence-loss", "divergence_loss", float, "stop when a local loss exceeds this (0: only non-finite)"),
     ("--checkpoint-every", "checkpoint_every", int, "save the whole state every N rounds and at the end (0: off)"),

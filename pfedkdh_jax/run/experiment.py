@@ -127,7 +127,7 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
                               f"`pfedkdh resume {out_dir}` or choose another --out")
     data = build_federated_data(pool, part, eval_chunk=cfg.eval_chunk)
     algo = make_algorithm(cfg, pool.num_classes)
-    layout = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps).resolved()
+    layout = engine_layout(cfg)
     seeds = [cfg.seed + r for r in range(cfg.reps)]
     batched = cfg.reps > 1 and resolved_reps_mode(cfg) == "vmap"
     preflight.check(cfg, algo, data, layout, batched)   # one line, before anything is initialised
@@ -246,6 +246,17 @@ def _make_dir(path: str) -> None:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--out {path}: cannot create it ({e.strerror or e})") from None
+
+
+def engine_layout(cfg: RunConfig) -> Layout:
+    """The run's resolved layout; a layout that cannot be (``--lanes`` without vmap + scan) is one
+    line (ConfigError)."""
+    layout = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps).resolved()
+    if cfg.lanes is not None and (layout.client_parallel, layout.step_loop) != ("vmap", "scan"):
+        raise ConfigError(f"--lanes {cfg.lanes} needs --client-parallel vmap --step-loop scan (this run has "
+                          f"{layout.client_parallel} + {layout.step_loop}, the {jax.default_backend()} default "
+                          "where not given)")
+    return dataclasses.replace(layout, lanes=cfg.lanes).resolved()
 
 
 def resolved_reps_mode(cfg: RunConfig) -> str:

@@ -114,6 +114,11 @@ def summary(cfg, history: list[dict], part_summary: dict, runner,
     summary["first_round_seconds"] = secs[0] if secs else None
     summary["compile_seconds"] = max(0.0, secs[0] - summary["seconds_per_round"]) if secs else None
     summary["engine"] = dataclasses.asdict(runner.layout)
+    packed = [(r.get("reps") or [r])[0] for r in history]
+    if packed and "packing_computed_steps" in packed[0]:
+        # useful / computed local sample-steps of the packed rounds (every repetition at once)
+        summary["useful_fraction"] = (sum(r["packing_useful_steps"] for r in packed)
+                                      / max(1, sum(r["packing_computed_steps"] for r in packed)))
     summary["traces"] = dict(runner.traces)
     summary["partition"] = part_summary
     return summary

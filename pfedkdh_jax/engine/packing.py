@@ -1,0 +1,148 @@
+"""Balanced local work: a round's (run, client) jobs packed into a fixed number of lanes.
+
+With clients vmapped, every selected client is given as many steps as the largest one, and the steps
+past its own are masked no-ops: at α = 0.05 on MNIST a round computes about three times the useful
+sample-steps (experiments/useful_work.py). ``make_packed_round(algo, layout)`` with ``layout.lanes = L``
+instead runs the ``J = R·C`` jobs of a round (R stacked runs, C selected clients each) in ``L`` lanes:
+
+1. every job starts (``client_start``, vmapped over runs and clients), giving a stack ``[J + 1, ...]``
+   of local states (the last, an idle slot of zero samples);
+2. :func:`pack_jobs` assigns the jobs to lanes, longest first, each to the least loaded lane, so a
+   lane's jobs run one after another and the lanes end at nearly the same step;
+3. a loop of as many steps as the longest lane (a traced count, so no shape depends on the selection
+   and nothing recompiles): at step ``t`` each lane gathers the local state of the job it holds at
+   ``t`` (or the idle slot), the ``L`` states take one step together (vmapped), and go back to the
+   stack;
+4. every job finishes (``client_finish``) and each run's server update follows, vmapped over runs.
+
+A job takes exactly the steps it takes in the unpacked round, from the same state with the same keys,
+so the results are the unpacked round's up to float rounding (tests check it). The computed
+sample-steps are ``L`` times the longest lane instead of ``J`` times the longest job; the round's
+metrics report both counts (``packing_useful_steps``, ``packing_computed_steps``). The step loop is a
+``lax.while_loop``: the layout for accelerators (``vmap`` + ``scan``), not for XLA:CPU, where a
+convolution inside a loop is slow and clients run one after another anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pfedkdh_jax.algorithms.base import Algorithm
+from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.engine.round import LocalProblem, RoundPieces
+
+PyTree = Any
+
+
+def pack_jobs(steps: jax.Array, lanes: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Longest-first greedy packing of jobs into ``lanes`` lanes (pure, jittable).
+
+    ``steps [J]`` (int) are the jobs' step counts. Returns ``lane [J]`` (the lane of each job),
+    ``start [J]`` (the lane step at which it begins) and ``loads [L]`` (each lane's total steps).
+    Ties go to the lowest lane and the earlier job, so the packing is deterministic.
+    """
+    steps = jnp.asarray(steps, jnp.int32)
+    order = jnp.argsort(-steps, stable=True)
+
+    def place(i, carry):
+        loads, lane, start = carry
+        j = order[i]
+        least = jnp.argmin(loads)
+        return loads.at[least].add(steps[j]), lane.at[j].set(least), start.at[j].set(loads[least])
+
+    zeros = jnp.zeros_like(steps)
+    loads, lane, start = jax.lax.fori_loop(0, steps.shape[0], place,
+                                           (jnp.zeros((lanes,), jnp.int32), zeros, zeros))
+    return lane.astype(jnp.int32), start, loads
+
+
+def lane_slots(lane: jax.Array, start: jax.Array, steps: jax.Array, lanes: int, t: jax.Array) -> jax.Array:
+    """The job each lane holds at lane step ``t`` (``[L]``; ``J``, the idle slot, where none)."""
+    holds = ((lane[None, :] == jnp.arange(lanes)[:, None])
+             & (start[None, :] <= t) & (t < (start + steps)[None, :]))
+    return jnp.where(holds.any(axis=1), jnp.argmax(holds, axis=1), steps.shape[0]).astype(jnp.int32)
+
+
+def _flat(tree, lead: int):
+    return jax.tree_util.tree_map(lambda a: a.reshape((lead,) + a.shape[2:]), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRound:
+    """A round of R stacked runs with the selected clients' local work packed into lanes.
+
+    ``(states [R], data, selected [R, C], keys [R]) -> (states [R], metrics [R])``, pure and
+    un-jitted; with ``R = 1`` it is one run's round with a leading axis of one.
+    """
+
+    algo: Algorithm
+    layout: Layout
+
+    @property
+    def problem(self) -> LocalProblem:
+        return RoundPieces(self.algo, self.layout).problem
+
+    def local_work(self, states, data: FederatedData, selected: jax.Array, keys: jax.Array):
+        """Every job's final local state ``[R, C, ...]`` and the packing's ``(useful, computed)`` steps."""
+        p, lanes = self.problem, self.layout.lanes
+        trainer = p.trainer
+        runs, per_run = selected.shape
+        jobs = runs * per_run
+        ctx = jax.vmap(self.algo.context)(states)
+        start_run = jax.vmap(p.start, in_axes=(None, None, 0, None))
+        local = _flat(jax.vmap(start_run, in_axes=(0, None, 0, 0))(states, data, selected, keys), jobs)
+        steps = trainer.num_steps(local.n).astype(jnp.int32)
+        lane, begin, loads = pack_jobs(steps, lanes)
+        # the idle slot: a copy of job 0 with no samples (its steps are no-ops)
+        stack = jax.tree_util.tree_map(lambda a: jnp.concatenate([a, a[:1]]), local)
+        stack = stack.replace(n=stack.n.at[jobs].set(0))
+        run_of = jnp.append(jnp.arange(jobs) // per_run, 0)
+        client_of = jnp.append(selected.reshape(-1), selected[0, 0])
+
+        def one(s, c, row):
+            return trainer.step(s, c, row, data, gate="cond")
+
+        def body(carry):
+            t, stack = carry
+            slot = lane_slots(lane, begin, steps, lanes, t)
+            held = jax.tree_util.tree_map(lambda a: a[slot], stack)
+            c = jax.tree_util.tree_map(lambda a: a[run_of[slot]], ctx)
+            rows = data.train_idx[client_of[slot]] if held.row is None else held.row
+            new = jax.vmap(one)(held, c, rows)
+            return t + 1, jax.tree_util.tree_map(lambda a, b: a.at[slot].set(b), stack, new)
+
+        longest = loads.max()
+        _, stack = jax.lax.while_loop(lambda c: c[0] < longest, body, (jnp.zeros((), jnp.int32), stack))
+        done = jax.tree_util.tree_map(lambda a: a[:jobs].reshape((runs, per_run) + a.shape[1:]), stack)
+        return done, (steps.sum(), lanes * longest)
+
+    def updates(self, states, data: FederatedData, selected: jax.Array, keys: jax.Array):
+        """Every job's :class:`ClientUpdate` ``[R, C, ...]`` and the packing's step counts."""
+        local, counts = self.local_work(states, data, selected, keys)
+        finish = self.problem.finish
+        if finish is None:
+            return local, counts
+        per_client = jax.vmap(finish, in_axes=(None, None, 0, 0, None))
+        return jax.vmap(per_client, in_axes=(0, None, 0, 0, 0))(states, data, selected, local, keys), counts
+
+    def __call__(self, states, data: FederatedData, selected: jax.Array, keys: jax.Array):
+        updates, (useful, computed) = self.updates(states, data, selected, keys)
+        states, metrics = jax.vmap(self.algo.server_update, in_axes=(0, None, 0, 0, 0))(
+            states, data, selected, updates, keys)
+        runs = selected.shape[0]
+        metrics = dict(metrics, packing_useful_steps=jnp.broadcast_to(useful, (runs,)),
+                       packing_computed_steps=jnp.broadcast_to(computed, (runs,)))
+        return states, metrics
+
+
+def make_packed_round(algo: Algorithm, layout: Layout) -> PackedRound:
+    """The packed round of ``algo`` (``layout.lanes`` lanes; see the module docstring)."""
+    layout = layout.resolved()
+    if layout.lanes is None:
+        raise ValueError("make_packed_round needs a layout with lanes set (Layout(lanes=L))")
+    return PackedRound(algo, layout)
