@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
+
+# One persistent compilation cache for the whole test run: many tests compile the same programs
+# (the CNN's evaluation pieces, a run killed and resumed in a subprocess, the CLI smoke runs), and
+# compiling is most of the suite's time. Set before jax is imported, so the xdist workers and every
+# subprocess a test starts inherit it; a cache dir given by the caller is used as is.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="pfedkdh-test-xla-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax
 import numpy as np

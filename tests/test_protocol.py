@@ -84,6 +84,10 @@ def two_rounds(algo, data, layout, seed=0, selected=SELECTED, vmapped=None):
 
 # FedFed's phase A (a VAE and three passes a batch) takes minutes per test to compile on a 2-core CPU
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "fedfed" else n for n in algorithms.METHODS]
+# Repetitions by default for four methods of different state layouts; every method with --runslow
+# (all passed in the full runs since the repetition axis landed for every method).
+REPS_QUICK = ("pfedkdh", "fedproto", "ditto", "pfedsim")
+REPS_NAMES = [n if n in REPS_QUICK else pytest.param(n, marks=pytest.mark.slow) for n in algorithms.METHODS]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -109,7 +113,7 @@ def test_every_layout_computes_the_same_round_and_evaluation(tiny, name):
     assert 0.0 <= float(ev0["personalized_macro_accuracy"]) <= 1.0
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", REPS_NAMES)
 def test_repetitions_vmapped_equal_their_solo_runs(tiny, name):
     _, _, data = tiny
     algo = build(name, data.num_classes)

@@ -39,7 +39,10 @@ def run_reps(data, seeds, form, rounds=2):
     return state, ev, runner
 
 
-@pytest.mark.parametrize("form", [("sequential", "unrolled"), ("vmap", "scan")])
+# the vmap + scan form of this check runs with --runslow (test_protocol checks repetitions of every
+# method in the pure round, and test_packing stacked repetitions in the fused form)
+@pytest.mark.parametrize("form", [("sequential", "unrolled"),
+                                  pytest.param(("vmap", "scan"), marks=pytest.mark.slow)])
 def test_repetition_in_a_batch_equals_the_seed_alone(tiny, form):
     _, _, data = tiny
     batch, ev, runner = run_reps(data, [3, 4, 5], form)
@@ -89,8 +92,9 @@ def _run_on_devices(n, out, reps, layout, reps_mode="vmap"):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("devices, reps, layout", [(2, 2, ("sequential", "unrolled")), (2, 1, ("vmap", "scan")),
-                                                   (8, 8, ("sequential", "unrolled"))])
+@pytest.mark.parametrize("devices, reps, layout", [
+    pytest.param(2, 2, ("sequential", "unrolled"), marks=pytest.mark.slow),  # 8-8 shards the same way
+    (2, 1, ("vmap", "scan")), (8, 8, ("sequential", "unrolled"))])
 def test_sharded_over_fake_devices_matches_one_device(tmp_path, devices, reps, layout):
     """reps=2 on 2 devices and reps=8 on 8 devices shard the repetition axis (CPU layout); reps=1 on
     2 devices shards the 2 clients of the fused round (vmap + scan).
