@@ -29,6 +29,7 @@ import numpy as np
 
 def count(dataset: str, alpha: float, data_dir: str | None, lanes: list[int], reps: int = 1,
           data_seed: int = 0) -> dict:
+    import jax
     import jax.numpy as jnp
 
     from pfedkdh_jax.data.partition import make_partition
@@ -49,8 +50,9 @@ def count(dataset: str, alpha: float, data_dir: str | None, lanes: list[int], re
     jobs = [np.concatenate([steps[sc[t]] for sc in scheds]) for t in range(cfg.rounds)]
     before = [j.sum() / (len(j) * j.max()) for j in jobs]
     after, depth = {}, {}
+    pack = jax.jit(pack_jobs, static_argnums=1)   # one compile per lane count, not one per round
     for L in lanes:
-        packed = [pack_jobs(jnp.asarray(j), L)[2] for j in jobs]
+        packed = [pack(jnp.asarray(j), L)[2] for j in jobs]
         after[L] = float(np.mean([j.sum() / (L * int(p.max())) for j, p in zip(jobs, packed)]))
         depth[L] = float(np.mean([int(p.max()) for p in packed]))
     sizes = [len(i) for i in part.train_idx]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -10,7 +12,9 @@ from pathlib import Path
 # (the CNN's evaluation pieces, a run killed and resumed in a subprocess, the CLI smoke runs), and
 # compiling is most of the suite's time. Set before jax is imported, so the xdist workers and every
 # subprocess a test starts inherit it; a cache dir given by the caller is used as is.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="pfedkdh-test-xla-cache-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:   # the first process of the run makes it and removes it
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pfedkdh-test-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax

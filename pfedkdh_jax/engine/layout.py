@@ -6,12 +6,11 @@
 * ``step_loop``: ``"scan"`` loops the local steps with ``lax.scan`` inside one compiled call;
   ``"unrolled"`` compiles a chunk of ``chunk_steps`` unrolled steps once and calls it as often as
   needed, chained on the device without host synchronisation.
-
-On XLA:CPU a convolution inside a while loop is ~15–20× slower than the same steps unrolled, so the CPU
-default is sequential + unrolled; on GPU/TPU the default is vmap + scan, one compiled call per round.
 * ``lanes``: with ``vmap`` + ``scan``, pack the round's jobs into this many lanes of near-equal local
   work instead of giving every client the largest client's steps (:mod:`pfedkdh_jax.engine.packing`).
 
+On XLA:CPU a convolution inside a while loop is ~15–20× slower than the same steps unrolled, so the CPU
+default is sequential + unrolled; on GPU/TPU the default is vmap + scan, one compiled call per round.
 All forms compute the same numbers (tests check it). BENCHMARKS.md has the figures.
 """
 

@@ -114,7 +114,10 @@ class PackedRound:
             c = jax.tree_util.tree_map(lambda a: a[run_of[slot]], ctx)
             rows = data.train_idx[client_of[slot]] if held.row is None else held.row
             new = jax.vmap(one)(held, c, rows)
-            return t + 1, jax.tree_util.tree_map(lambda a, b: a.at[slot].set(b), stack, new)
+            # only what a step changes goes back (the orders, keys, sizes and rows are read-only)
+            put = lambda a, b: a.at[slot].set(b)
+            return t + 1, stack.replace(**{f: jax.tree_util.tree_map(put, getattr(stack, f), getattr(new, f))
+                                           for f in ("params", "opt_state", "step", "loss_sum")})
 
         longest = loads.max()
         _, stack = jax.lax.while_loop(lambda c: c[0] < longest, body, (jnp.zeros((), jnp.int32), stack))

@@ -165,8 +165,9 @@ class RoundRunner:
             if shard_clients and selected.shape[0] % mesh.size == 0:
                 updates = per_device(updates, mesh, (None, None, 0, None))
             return algo.server_update(state, data, selected, updates(state, data, selected, key), key)
-        self._fused = compiled("round", fused, (0, None, 0, 0), steps=True)
-        if self.layout.lanes is not None:
+        if self.layout.lanes is None:
+            self._fused = compiled("round", fused, (0, None, 0, 0), steps=True)
+        else:
             self._fused = self._packed(algo, reps, multi, train_options)
 
         # --- evaluation

@@ -252,11 +252,12 @@ def engine_layout(cfg: RunConfig) -> Layout:
     """The run's resolved layout; a layout that cannot be (``--lanes`` without vmap + scan) is one
     line (ConfigError)."""
     layout = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps).resolved()
-    if cfg.lanes is not None and (layout.client_parallel, layout.step_loop) != ("vmap", "scan"):
+    try:
+        return dataclasses.replace(layout, lanes=cfg.lanes).resolved()
+    except ValueError:   # validate() checked --lanes >= 1: the layout is what cannot take lanes
         raise ConfigError(f"--lanes {cfg.lanes} needs --client-parallel vmap --step-loop scan (this run has "
                           f"{layout.client_parallel} + {layout.step_loop}, the {jax.default_backend()} default "
-                          "where not given)")
-    return dataclasses.replace(layout, lanes=cfg.lanes).resolved()
+                          "where not given)") from None
 
 
 def resolved_reps_mode(cfg: RunConfig) -> str:
