@@ -114,3 +114,34 @@ def test_sharded_over_fake_devices_matches_one_device(tmp_path, devices, reps, l
     # every compiled piece is traced once per shape, on any number of devices
     assert many["summary"]["traces"] == one["summary"]["traces"]
     assert all(v <= 2 for v in many["summary"]["traces"].values())  # features: test and train shapes
+
+
+STACKED_SCRIPT = """
+import json, sys
+import jax
+from pfedkdh_jax.run.config import make_config
+from pfedkdh_jax.run.experiment import run_stacked
+cfgs = [make_config("smoke", out=f"{sys.argv[1]}-{a}", alpha=a, data_seed=ds, reps_mode=sys.argv[2], num_clients=4,
+                    rounds=2, local_epochs=1, ea_steps=2, chunk_steps=4, checkpoint_every=0)
+        for a, ds in ((0.5, 0), (1.0, 1))]
+s = run_stacked(cfgs, progress=False, log=lambda *_: None)
+print(json.dumps({"devices": jax.device_count(), "summaries": s}))
+"""
+
+
+@pytest.mark.slow
+def test_stacked_partitions_sharded_over_two_devices_match_one_device(tmp_path):
+    """Two α values stacked (one repetition each) on 2 fake devices: each device runs its own
+    partition's repetition; the same numbers as the two run one after another on one device."""
+    def go(n, mode):
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
+        p = subprocess.run([sys.executable, "-c", STACKED_SCRIPT, str(tmp_path / f"d{n}"), mode],
+                           capture_output=True, text=True, env=env, timeout=900)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    one, many = go(1, "sequential"), go(2, "vmap")
+    assert (one["devices"], many["devices"]) == (1, 2)
+    for a, b in zip(one["summaries"], many["summaries"]):
+        assert b["final_train_loss"] == pytest.approx(a["final_train_loss"], rel=2e-5)
+        for key in ["personalized_macro_accuracy", "personalized_macro_accuracy_ea"]:
+            assert b[key] == pytest.approx(a[key], abs=1e-3)

@@ -83,6 +83,18 @@ def test_sweep_tables_rerun_and_interrupted_resume(tmp_path):
     assert any(line.startswith("[3/4]") and "restarting" in line for line in resumed)
     assert csv_rows(b) == rows                            # the tables of the uninterrupted sweep
 
+    # stacked: each method's two α values as one program (4 repetitions vmapped), the same tables
+    c = str(tmp_path / "c")
+    stacked_log = []
+    run_sweep(make_sweep(["digits"], [0.5, 1.0], ["fedper", "fedavg"], seeds=2, options={**SMALL, "reps_mode": "vmap"},
+                         stack=True), c, log=stacked_log.append)
+    assert [line for line in stacked_log if line.startswith("stacked: ")] == [
+        "stacked: digits-a0.5-fedper, digits-a1.0-fedper", "stacked: digits-a0.5-fedavg, digits-a1.0-fedavg"]
+    stacked_rows = csv_rows(c)
+    assert [(r["row"], r["cell"]) for r in stacked_rows] == [(r["row"], r["cell"]) for r in rows]
+    for got, want in zip(stacked_rows, rows):
+        assert abs(float(got["mean"]) - float(want["mean"])) <= 1e-5 and abs(float(got["std"]) - float(want["std"])) <= 1e-5
+
 
 def test_sweep_grid_applies_to_the_methods_that_read_it():
     sweep = make_sweep(["digits"], [0.5], ["pfedkdh", "fedper"], grid={"lam": [0.0, 0.5], "lr": [0.01, 0.02]},

@@ -46,6 +46,9 @@ class MethodSpec:
     # the metric its row of a results table reports: personalized (the paper's), or the global
     # model's for the methods whose result is one shared model
     table_metric: str = "personalized_macro_accuracy"
+    # whether its runs on other partitions of one pool stack into one program (run_stacked): its
+    # state's and round's shapes do not depend on the partition beyond the padded tables
+    stackable: bool = True
 
 
 def _positive(v) -> bool:
@@ -113,7 +116,7 @@ METHODS: dict[str, MethodSpec] = {
         run_check=lambda a, cfg: (None if a["feature_rounds"] < cfg.rounds else
                                   f"--method-arg feature_rounds must be below --rounds {cfg.rounds} for fedfed "
                                   f"(phase A's rounds count in the run's); got {a['feature_rounds']}"),
-        table_metric="global_macro_accuracy"),
+        table_metric="global_macro_accuracy", stackable=False),   # the pool's size is the partition's
 }
 
 

@@ -3,6 +3,14 @@
 A client is a row of a padded table of pool indices plus its true size. Batches are gathered and
 normalised inside the compiled step, so nothing is copied to the device after set-up. Leading axis
 ``[K, ...]`` = all clients.
+
+Several partitions of one pool (other α values, other data seeds) stack into one
+:class:`FederatedData` (:func:`stack_partitions`): the pool is shared and every index table gains a
+leading run axis ``[R, ...]``, padded to the widest run, so R runs of different partitions run as
+one program (``jax.vmap`` with ``in_axes`` :func:`data_axes`). Padding adds slots that no valid
+client sample occupies (owner K, sizes unchanged) and, with the default counter-based
+(``jax_threefry_partitionable``) random numbers, a client's shuffled order over its n samples does not
+depend on the width of its row: a run stacked computes what it computes alone.
 """
 
 from __future__ import annotations
@@ -37,10 +45,75 @@ class FederatedData:
     input_shape: tuple = struct.field(pytree_node=False)
     train_sizes: tuple = struct.field(pytree_node=False)  # host copy of train_n, for step counts
     eval_chunk: int = struct.field(pytree_node=False)     # test_flat / train_flat are padded to a multiple
+    # stacked partitions (stack_partitions): the number of runs R (train_sizes: the per-client maximum)
+    runs: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def max_train(self) -> int:
-        return int(self.train_idx.shape[1])
+        return int(self.train_idx.shape[-1])
+
+    @property
+    def stacked(self) -> bool:
+        return self.runs is not None
+
+
+# the per-partition tables (everything but the pool), and how to pad each: (axis, fill)
+_INDEX_FIELDS = {"train_idx": (1, "zero"), "train_n": (None, None), "test_flat": (0, "zero"),
+                 "test_client": (0, "owner"), "test_n": (None, None), "train_flat": (0, "zero"),
+                 "train_flat_client": (0, "owner"), "train_flat_pos": (1, "zero"), "aux_idx": (None, None),
+                 "owned_idx": (0, "zero"), "owned_slot": (0, "owner"), "owned_chunk": (0, "zero")}
+
+
+def data_axes(data: FederatedData):
+    """``in_axes`` of ``data`` for ``jax.vmap`` over runs: the run axis of stacked partitions' index
+    tables (the pool shared), or ``None`` (the same data for every run)."""
+    if not data.stacked:
+        return None
+    return data.replace(images=None, labels=None, **{f: 0 for f in _INDEX_FIELDS})
+
+
+def run_slice(data: FederatedData, r: int) -> FederatedData:
+    """Run ``r`` of stacked partitions (its tables still padded to the stack's widths, so every run's
+    slice has one shape), or ``data`` itself when not stacked."""
+    if not data.stacked:
+        return data
+    return data.replace(runs=None, **{f: getattr(data, f)[r] for f in _INDEX_FIELDS})
+
+
+def stack_partitions(datas) -> FederatedData:
+    """Partitions of one pool (each from :func:`build_federated_data`) as one stacked
+    :class:`FederatedData` ``[R, ...]`` (module docstring). They must share the pool, the number of
+    clients, ``eval_chunk`` and the size of D_s; ``train_sizes`` becomes the per-client maximum (the
+    static step counts; each run's sizes are its ``train_n``)."""
+    datas = list(datas)
+    if not datas:
+        raise ValueError("stack_partitions needs at least one partition")
+    first = datas[0]
+    for d in datas[1:]:
+        same = (d.num_clients == first.num_clients and d.num_classes == first.num_classes
+                and d.input_shape == first.input_shape and d.eval_chunk == first.eval_chunk
+                and d.images.shape == first.images.shape and d.aux_idx.shape == first.aux_idx.shape)
+        if not same:
+            raise ValueError("stacked partitions must share the pool, the number of clients, eval_chunk "
+                             "and the size of D_s")
+        if d.stacked:
+            raise ValueError("stack_partitions takes unstacked partitions")
+    k = first.num_clients
+    fields = {}
+    for name, (axis, fill) in _INDEX_FIELDS.items():
+        arrays = [np.asarray(getattr(d, name)) for d in datas]
+        if axis is not None:
+            width = max(a.shape[axis] for a in arrays)
+            value = k if fill == "owner" else 0
+            padded = []
+            for a in arrays:
+                pad = [(0, 0)] * a.ndim
+                pad[axis] = (0, width - a.shape[axis])
+                padded.append(np.pad(a, pad, constant_values=value))
+            arrays = padded
+        fields[name] = jnp.asarray(np.stack(arrays))
+    sizes = np.max([d.train_sizes for d in datas], axis=0)
+    return first.replace(**fields, train_sizes=tuple(int(n) for n in sizes), runs=len(datas))
 
 
 def _flat(index_lists, pad_multiple: int):

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from pfedkdh_jax.algorithms.base import Algorithm
-from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.round import LocalProblem, RoundPieces
 
@@ -94,8 +94,9 @@ class PackedRound:
         runs, per_run = selected.shape
         jobs = runs * per_run
         ctx = jax.vmap(self.algo.context)(states)
+        d = data_axes(data)   # stacked partitions: each run's clients in its own tables
         start_run = jax.vmap(p.start, in_axes=(None, None, 0, None))
-        local = _flat(jax.vmap(start_run, in_axes=(0, None, 0, 0))(states, data, selected, keys), jobs)
+        local = _flat(jax.vmap(start_run, in_axes=(0, d, 0, 0))(states, data, selected, keys), jobs)
         steps = trainer.num_steps(local.n).astype(jnp.int32)
         lane, begin, loads = pack_jobs(steps, lanes)
         # the idle slot: a copy of job 0 with no samples (its steps are no-ops)
@@ -112,7 +113,12 @@ class PackedRound:
             slot = lane_slots(lane, begin, steps, lanes, t)
             held = jax.tree_util.tree_map(lambda a: a[slot], stack)
             c = jax.tree_util.tree_map(lambda a: a[run_of[slot]], ctx)
-            rows = data.train_idx[client_of[slot]] if held.row is None else held.row
+            if held.row is not None:
+                rows = held.row
+            elif data.stacked:
+                rows = data.train_idx[run_of[slot], client_of[slot]]
+            else:
+                rows = data.train_idx[client_of[slot]]
             new = jax.vmap(one)(held, c, rows)
             # only what a step changes goes back (the orders, keys, sizes and rows are read-only)
             put = lambda a, b: a.at[slot].set(b)
@@ -131,11 +137,11 @@ class PackedRound:
         if finish is None:
             return local, counts
         per_client = jax.vmap(finish, in_axes=(None, None, 0, 0, None))
-        return jax.vmap(per_client, in_axes=(0, None, 0, 0, 0))(states, data, selected, local, keys), counts
+        return jax.vmap(per_client, in_axes=(0, data_axes(data), 0, 0, 0))(states, data, selected, local, keys), counts
 
     def __call__(self, states, data: FederatedData, selected: jax.Array, keys: jax.Array):
         updates, (useful, computed) = self.updates(states, data, selected, keys)
-        states, metrics = jax.vmap(self.algo.server_update, in_axes=(0, None, 0, 0, 0))(
+        states, metrics = jax.vmap(self.algo.server_update, in_axes=(0, data_axes(data), 0, 0, 0))(
             states, data, selected, updates, keys)
         runs = selected.shape[0]
         metrics = dict(metrics, packing_useful_steps=jnp.broadcast_to(useful, (runs,)),

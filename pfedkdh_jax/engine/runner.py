@@ -17,7 +17,9 @@ how often each piece was traced, so tests can assert that nothing recompiles aft
 
 With ``reps=R`` every piece is additionally ``vmap``-ed over a leading repetition axis ``[R, ...]``
 (states, selected clients ``[R, C]``, keys ``[R]``; the data are shared), so R Monte Carlo
-repetitions run as one program, whatever the method. With a ``mesh``, that axis (or else the client
+repetitions run as one program, whatever the method. The data may be stacked partitions
+(:func:`~pfedkdh_jax.data.device.stack_partitions`, one per repetition: other α values or data seeds),
+vmapped with the repetitions; a host plan then counts each repetition's steps in its own partition. With a ``mesh``, that axis (or else the client
 axis of the one-call round) is split over the mesh's devices. :class:`PhasedRunner` holds one
 runner per phase of a method of several phases (FedFed) and enters each phase at its first round.
 (Over 300 lines: the four plans, their repetition axis and the phases are one host loop.)
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pfedkdh_jax.algorithms.base import Algorithm
-from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.evaluate import evaluation, image_problem, make_evaluate
 from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
@@ -58,15 +60,17 @@ class _ClientCalls:
     ``prefix`` tells the round's problem ("") from a personalization's in ``traces``.
     """
 
-    def __init__(self, compiled, layout: Layout, problem: LocalProblem, sizes: np.ndarray, prefix: str):
-        self.layout, self.problem, self.sizes = layout, problem, sizes
-        self.max_steps = int(problem.trainer.num_steps(problem.size(int(sizes.max()))))
+    def __init__(self, compiled, layout: Layout, problem: LocalProblem, max_size: int, prefix: str,
+                 d=None):
+        # max_size: the largest client (static step count of a scan); d: the data's repetition in_axes
+        self.layout, self.problem = layout, problem
+        self.max_steps = int(problem.trainer.num_steps(problem.size(max_size)))
         train, finish = problem.train, problem.finish
         vstart = jax.vmap(problem.start, in_axes=(None, None, 0, None))
         vtrain = jax.vmap(train, in_axes=(0, None, None, 0, None))
-        self.start_one = compiled(f"{prefix}client_start", problem.start, (0, None, 0, 0))
-        self.start_all = compiled(f"{prefix}client_start_vmap", vstart, (0, None, 0, 0))
-        ctx_axes = (0, 0, None, 0)
+        self.start_one = compiled(f"{prefix}client_start", problem.start, (0, d, 0, 0))
+        self.start_all = compiled(f"{prefix}client_start_vmap", vstart, (0, d, 0, 0))
+        ctx_axes = (0, 0, d, 0)
         if layout.step_loop == "scan":
             m = self.max_steps
             self.train_one = compiled(f"{prefix}train_scan", lambda s, c, d, k: train(s, c, d, k, m),
@@ -86,23 +90,29 @@ class _ClientCalls:
             self.step_all = compiled(f"{prefix}train_step_vmap", lambda s, c, d, k: vtrain(s, c, d, k, 1),
                                      ctx_axes, steps=True)
         if finish is not None:
-            self.finish_one = compiled(f"{prefix}client_finish", finish, (0, None, 0, 0, 0))
+            self.finish_one = compiled(f"{prefix}client_finish", finish, (0, d, 0, 0, 0))
             self.finish_all = compiled(f"{prefix}client_finish_vmap",
-                                       jax.vmap(finish, in_axes=(None, None, 0, 0, None)), (0, None, 0, 0, 0))
+                                       jax.vmap(finish, in_axes=(None, None, 0, 0, None)), (0, d, 0, 0, 0))
         else:
             self.finish_one = self.finish_all = None   # the local states are the result
 
-    def calls(self, clients: np.ndarray) -> tuple[int, int]:
-        """(chunk calls, single-step calls) for the largest of ``clients`` (one call with a scan)."""
+    def calls(self, clients: np.ndarray, data: FederatedData) -> tuple[int, int]:
+        """(chunk calls, single-step calls) for the largest of ``clients`` in ``data`` (one call with a
+        scan); the sizes are read from the data given (any partition of the stacked shape)."""
         if self.layout.step_loop == "scan":
             return 1, 0
-        steps = int(self.problem.trainer.num_steps(self.problem.size(int(self.sizes[np.ravel(clients)].max()))))
+        clients, sizes = np.asarray(clients), np.asarray(data.train_n)
+        if sizes.ndim == 2:   # stacked partitions: each repetition's clients in its own partition
+            n = int(np.take_along_axis(sizes, clients.reshape(sizes.shape[0], -1), axis=1).max())
+        else:
+            n = int(sizes[np.ravel(clients)].max())
+        steps = int(self.problem.trainer.num_steps(self.problem.size(n)))
         return divmod(steps, self.layout.chunk_steps)
 
     def _drive(self, start, train, step, finish, state, ctx, data, sel, clients, key):
         """One plan for both layouts: start, the chunks, the single tail steps, finish."""
         local = start(state, data, sel, key)
-        chunks, steps = self.calls(clients)
+        chunks, steps = self.calls(clients, data)
         for _ in range(chunks):
             local = train(local, ctx, data, sel)
         for _ in range(steps):
@@ -133,7 +143,11 @@ class RoundRunner:
         self.round_fn = make_round(algo, self.layout)
         self.evaluate_fn = make_evaluate(algo, self.layout)
         self.traces: collections.Counter = collections.Counter()
-        sizes = np.asarray(data.train_sizes)
+        if data.stacked and reps != data.runs:
+            raise ValueError(f"stacked partitions of {data.runs} runs need reps={data.runs}; got reps={reps}")
+        self.stacked = data.stacked
+        d = data_axes(data)   # None: every repetition shares the data
+        largest = max(data.train_sizes)
         multi = mesh is not None and mesh.size > 1
         # the repetition axis is sharded over the mesh when it divides evenly
         self.rep_sharding = leading_axis_sharding(mesh) if multi and reps and reps % mesh.size == 0 else None
@@ -155,9 +169,9 @@ class RoundRunner:
 
         # --- rounds
         rf = self.round_fn
-        self._clients = _ClientCalls(compiled, self.layout, rf.problem, sizes, "")
+        self._clients = _ClientCalls(compiled, self.layout, rf.problem, largest, "", d)
         self._context = compiled("context", algo.context, (0,))
-        self._server = compiled("server_update", algo.server_update, (0, None, 0, 0, 0))
+        self._server = compiled("server_update", algo.server_update, (0, d, 0, 0, 0))
         self._stack = jax.jit(lambda xs: tree_stack(xs, axis=0 if reps is None else 1))
 
         def fused(state, data, selected, key):
@@ -166,32 +180,33 @@ class RoundRunner:
                 updates = per_device(updates, mesh, (None, None, 0, None))
             return algo.server_update(state, data, selected, updates(state, data, selected, key), key)
         if self.layout.lanes is None:
-            self._fused = compiled("round", fused, (0, None, 0, 0), steps=True)
+            self._fused = compiled("round", fused, (0, d, 0, 0), steps=True)
         else:
             self._fused = self._packed(algo, reps, multi, train_options)
 
         # --- evaluation
         ev, model = self.evaluate_fn, algo.model
         self.models = compiled("eval_models", algo.eval_models, (0,))
+        idx = None if d is None else 0   # flat index lists come from the data: stacked with it
         self._features_chunk = compiled(
-            "features_chunk", lambda b, d, idx: scoring.features_of(model, b, d, idx), (0, None, None))
-        self._features_scan = compiled("features_scan", ev.features, (0, None, None))
+            "features_chunk", lambda b, data, i: scoring.features_of(model, b, data, i), (0, d, idx))
+        self._features_scan = compiled("features_scan", ev.features, (0, d, idx))
         self._owned_chunk = compiled(
             "owned_features_chunk",
-            lambda b, d, g: scoring.owned_features_of(model, b, d, d.owned_chunk[g], d.owned_idx[g]),
-            (0, None, None))
-        self._owned_scan = compiled("owned_features_scan", ev.owned_features, (0, None))
-        self.score = compiled("score", ev.score, (0, 0, None))
-        self.score_global_model = compiled("score_global", ev.score_global_model, (0, 0, None))
-        self.score_personal = compiled("score_personalized", ev.score, (0, 0, None))
+            lambda b, data, g: scoring.owned_features_of(model, b, data, data.owned_chunk[g], data.owned_idx[g]),
+            (0, d, None))
+        self._owned_scan = compiled("owned_features_scan", ev.owned_features, (0, d))
+        self.score = compiled("score", ev.score, (0, 0, d))
+        self.score_global_model = compiled("score_global", ev.score_global_model, (0, 0, d))
+        self.score_personal = compiled("score_personalized", ev.score, (0, 0, d))
         p = algo.personalization
         if p is not None and p.on_features:
-            self.adapted_on_features = compiled("personalize_on_features", ev.adapted_on_features, (0, None, 0, 0))
+            self.adapted_on_features = compiled("personalize_on_features", ev.adapted_on_features, (0, d, 0, 0))
         elif p is not None:
             self._personal = _ClientCalls(compiled, self.layout, image_problem(p, self.layout.step_loop),
-                                          sizes, "personalize_")
+                                          largest, "personalize_", d)
             self._personal_models = compiled("personalized_models", p.models, (0, 0))
-            self._personal_fused = compiled("personalize", ev.adapted_on_images, (0, None, 0), steps=True)
+            self._personal_fused = compiled("personalize", ev.adapted_on_images, (0, d, 0), steps=True)
 
     def _packed(self, algo, reps, multi, options):
         """The one-call round with the local work of all repetitions packed into lanes."""
@@ -230,7 +245,8 @@ class RoundRunner:
         return self._server(state, data, sel, updates, key)
 
     def prepare(self, state, data: FederatedData, key: jax.Array):
-        """The algorithm's ``before_training`` (one repetition's state, no repetition axis)."""
+        """The algorithm's ``before_training`` (one repetition's state, no repetition axis; of stacked
+        partitions, the repetition's :func:`~pfedkdh_jax.data.device.run_slice`)."""
         return self.algo.before_training(state, data, key, self.train)
 
     def train(self, trainer: LocalTrainer, local: LocalState, ctx, row: jax.Array, source) -> LocalState:
@@ -268,7 +284,7 @@ class RoundRunner:
         if self.layout.step_loop == "scan":
             return self._features_scan(backbone, data, flat_idx)
         c = data.eval_chunk
-        parts = [self._features_chunk(backbone, data, flat_idx[i:i + c]) for i in range(0, flat_idx.shape[0], c)]
+        parts = [self._features_chunk(backbone, data, flat_idx[..., i:i + c]) for i in range(0, flat_idx.shape[-1], c)]
         return jnp.concatenate(parts, axis=0 if self.reps is None else 1)
 
     def test_features(self, models, data: FederatedData) -> jax.Array:
@@ -277,7 +293,7 @@ class RoundRunner:
             return self.features(models.backbone, data, data.test_flat)
         if self.layout.step_loop == "scan":
             return self._owned_scan(models.backbone, data)
-        parts = [self._owned_chunk(models.backbone, data, jnp.int32(g)) for g in range(data.owned_idx.shape[0])]
+        parts = [self._owned_chunk(models.backbone, data, jnp.int32(g)) for g in range(data.owned_idx.shape[-2])]
         return jnp.concatenate(parts, axis=0 if self.reps is None else 1)
 
     def evaluate(self, state, data: FederatedData, key: jax.Array, *, personalize: bool = False) -> dict:
@@ -318,7 +334,7 @@ class PhasedRunner:
         for p in self.phases:
             fn = p.enter
             if fn is not None and reps is not None:
-                fn = jax.vmap(fn, in_axes=(0, None, 0))
+                fn = jax.vmap(fn, in_axes=(0, data_axes(data), 0))
             self._enter.append(jax.jit(fn) if fn is not None else None)
 
     @property

@@ -7,7 +7,7 @@ import jax
 
 def per_device(fn, mesh: jax.sharding.Mesh, axes):
     """``fn`` run by every device on its own slice of the leading axis of the arguments whose entry
-    in ``axes`` is 0 (the others are replicated), with ``jax.shard_map``; outputs are sharded along
+    in ``axes`` is 0 (the others are replicated; an entry may be a pytree of 0 / None), with ``jax.shard_map``; outputs are sharded along
     their leading axis.
 
     Left to the automatic partitioner, a ``vmap``-ed convolution with different weights per
@@ -17,8 +17,12 @@ def per_device(fn, mesh: jax.sharding.Mesh, axes):
     """
     ax = mesh.axis_names[0]
     spec = jax.sharding.PartitionSpec
-    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(ax) if a == 0 else spec() for a in axes),
-                         out_specs=spec(ax), check_vma=False)
+
+    def specs(a):   # an entry of axes: 0, None, or a pytree of them (stacked partitions' data_axes)
+        if a is None or isinstance(a, int):
+            return spec(ax) if a == 0 else spec()
+        return jax.tree_util.tree_map(lambda b: spec(ax) if b == 0 else spec(), a, is_leaf=lambda b: b is None)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs(a) for a in axes), out_specs=spec(ax), check_vma=False)
 
 
 def leading_axis_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:

@@ -95,15 +95,16 @@ class Checkpoints:
                 f"({', '.join(f'{k}: {theirs.get(k)} vs {self.fp.get(k)}' for k in diff)}); "
                 "resume it with its own config (pfedkdh resume RUN_DIR) or use another --out")
 
-    def restore_latest(self, target: Any) -> tuple[int, Any, list[dict]] | None:
-        """The newest readable checkpoint as ``(round, state, history)``; ``None`` if there is none.
+    def restore_latest(self, target: Any, upto: int | None = None) -> tuple[int, Any, list[dict]] | None:
+        """The newest readable checkpoint (of round ``upto`` at most, if given) as ``(round, state,
+        history)``; ``None`` if there is none.
 
         A checkpoint whose files are unreadable is skipped with a message naming it; one written for
         another config or partition is refused (:class:`CheckpointError`).
         """
         import orbax.checkpoint as ocp
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
-        for r in reversed(self.rounds()):
+        for r in reversed([r for r in self.rounds() if upto is None or r <= upto]):
             path = os.path.join(self.dir, f"{PREFIX}{r:06d}")
             try:
                 with open(os.path.join(path, "meta.json")) as f:

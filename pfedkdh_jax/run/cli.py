@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "methods, seeds, grid, preset, method_args and run options); flags override it")
     sw.add_argument("--out", dest="sweep_out", default=None, help="sweep directory (default runs/sweep-<time>)")
     sw.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sw.add_argument("--stack", action="store_true", default=None,
+                    help="run the points that differ only in α as one program (partitions stacked along the "
+                         "repetition axis; vmapped with --reps-mode vmap); not for fedfed")
     for flag, field, typ, hlp in _FLAGS:
         if field not in ("method", "dataset", "alpha", "out", "reps"):
             sw.add_argument(flag, dest=field, type=typ, default=None, help=hlp)
@@ -199,7 +202,7 @@ def _sweep(args) -> int:
         spec = load_config_file(args.config) if args.config else {}
         spec = {k: spec[k] for k in spec}
         axes = {k: spec.pop(k) for k in ("datasets", "alphas", "methods", "seeds", "grid", "preset",
-                                         "method_args") if k in spec}
+                                         "method_args", "stack") if k in spec}
         options = {**spec, **{k: v for k, v in vars(args).items()
                               if k in RunConfig.__dataclass_fields__ and v is not None}}
         split = lambda text: [x for x in text.split(",") if x]  # noqa: E731
@@ -230,7 +233,8 @@ def _sweep(args) -> int:
         from pfedkdh_jax.run.sweep import make_sweep, run_sweep
         sweep = make_sweep(datasets, alphas, methods,
                            args.seeds if args.seeds is not None else axes.get("seeds", 1), grid,
-                           args.preset or axes.get("preset", "default"), options, margs)
+                           args.preset or axes.get("preset", "default"), options, margs,
+                           stack=args.stack if args.stack is not None else axes.get("stack", False))
         out = args.sweep_out or os.path.join("runs", "sweep-" + time.strftime("%Y%m%d-%H%M%S"))
         result = _guarded_sweep(lambda: run_sweep(sweep, out, progress=not args.no_progress))
     except (ConfigError, DataError) as e:

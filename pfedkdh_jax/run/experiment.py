@@ -19,7 +19,7 @@ import numpy as np
 
 from pfedkdh_jax import algorithms
 from pfedkdh_jax import data as data_lib
-from pfedkdh_jax.data.device import build_federated_data
+from pfedkdh_jax.data.device import build_federated_data, run_slice, stack_partitions
 from pfedkdh_jax.algorithms.base import message_bytes
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import tree_stack
@@ -45,9 +45,10 @@ def streams(seed: int) -> dict[str, jax.Array]:
             "eval": jax.random.fold_in(root, STREAM_EVAL)}
 
 
-def prepare_data(cfg: RunConfig) -> tuple[data_lib.Pool, data_lib.Partition, dict]:
-    """Pool, partition (with the validation carve-out if asked) and its summary."""
-    pool = data_lib.load_pool(cfg.dataset, data_dir=cfg.data_dir, cache_dir=cfg.cache_dir)
+def prepare_data(cfg: RunConfig, pool: data_lib.Pool | None = None) -> tuple[data_lib.Pool, data_lib.Partition, dict]:
+    """Pool (``pool``, or read), partition (with the validation carve-out if asked) and its summary."""
+    if pool is None:
+        pool = data_lib.load_pool(cfg.dataset, data_dir=cfg.data_dir, cache_dir=cfg.cache_dir)
     if cfg.aux_size >= len(pool.labels):
         raise data_lib.DataError(f"--aux-size must be < the pool size {len(pool.labels)} of "
                                  f"{cfg.dataset}; got {cfg.aux_size}")
@@ -72,12 +73,21 @@ def default_out_dir(cfg: RunConfig) -> str:
 
 @dataclasses.dataclass
 class _Group:
-    """Repetitions computed together: one seed (no repetition axis) or several (vmapped, ``[R, ...]``)."""
+    """Repetitions computed together: one (no repetition axis) or several (vmapped, ``[R, ...]``).
 
-    seeds: list[int]
+    ``members``: ``(run, seed)`` of each repetition, ``run`` indexing the stacked runs' configs;
+    ``data``: what the group's rounds read (stacked partitions, one of their slices, or one partition).
+    """
+
+    members: list[tuple[int, int]]
     schedule: np.ndarray      # [T, C], or [R, T, C] when batched
     keys: dict                # stream keys, each [R] when batched
     batched: bool
+    data: Any = None
+
+    @property
+    def seeds(self) -> list[int]:
+        return [s for _, s in self.members]
 
     def round_key(self, stream: str, t: int) -> jax.Array:
         if self.batched:
@@ -92,13 +102,22 @@ class _Group:
         host = records.host_arrays(metrics)
         if not self.batched:
             return [records.plain(host)]
-        return [records.plain({k: v[r] for k, v in host.items()}) for r in range(len(self.seeds))]
+        return [records.plain({k: v[r] for k, v in host.items()}) for r in range(len(self.members))]
 
 
 def _initial_state(algo, runner: PhasedRunner, data, seed: int):
     """Repetition ``seed``'s state before round 0: ``init``, then the algorithm's ``before_training``."""
     keys = streams(seed)
     return runner.prepare(algo.init(keys["init"], data), data, keys["init"])
+
+
+# What runs stacked in one program may differ in: their partitions (α, data seed) and directories.
+STACKABLE_FIELDS = ("alpha", "data_seed", "out")
+
+
+def stack_key(cfg: RunConfig) -> dict:
+    """The config less :data:`STACKABLE_FIELDS`: runs with equal keys can stack (:func:`run_stacked`)."""
+    return {k: v for k, v in cfg.to_dict().items() if k not in STACKABLE_FIELDS}
 
 
 def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool = False,
@@ -112,64 +131,99 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
     ``(summary, state, data, algo, runner)`` (state and runner of the first group), for scripts that
     evaluate the final model further (e.g. the hyperparameter sweep).
     """
-    validate(cfg)
-    out_dir = cfg.out or default_out_dir(cfg)
-    cfg = dataclasses.replace(cfg, out=out_dir)
-    _check_writable(out_dir)
-    pool, part, part_summary = prepare_data(cfg)
+    return run_stacked([cfg], progress=progress, log=log, return_state=return_state, resume=resume)[0]
+
+
+def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, return_state: bool = False,
+                resume: bool = False) -> list:
+    """Runs of one method on several partitions of one pool — other α values or data seeds, each with
+    its own ``out`` — as one program: every run's repetitions are repetitions of one group, vmapped
+    over stacked partitions (:func:`~pfedkdh_jax.data.device.stack_partitions`) with
+    ``reps_mode`` vmap, or one after another over the stack's slices, which share one shape and so
+    one set of compiled functions. Each run directory is written as by :func:`run` (its checkpoints
+    hold its own repetitions), and each run's numbers are those of its solo run up to float rounding.
+    Returns the summaries in the order of ``cfgs`` (with ``return_state``: one run only).
+    Round times are the stacked program's.
+    """
+    if not cfgs:
+        raise ConfigError("run_stacked needs at least one run")
+    for c in cfgs:
+        validate(c)
+    cfgs = [dataclasses.replace(c, out=c.out or default_out_dir(c)) for c in cfgs]
+    stacked = len(cfgs) > 1
+    if stacked:
+        _check_stackable(cfgs)
+        if return_state:
+            raise ConfigError("return_state takes one run")
+    cfg = cfgs[0]
+    for c in cfgs:
+        _check_writable(c.out)
+    pool = data_lib.load_pool(cfg.dataset, data_dir=cfg.data_dir, cache_dir=cfg.cache_dir)
     if pool.is_demo:
         log(f"NOTE: '{cfg.dataset}' is scikit-learn's bundled 8x8 digits upscaled to 28x28: a demo set "
             "for a quick offline run, not a dataset of the paper (use --dataset mnist --data-dir DIR).")
-    log(data_lib.format_summary(part_summary))
-    ckpts = Checkpoints(out_dir, fingerprint(cfg.to_dict(), part), log=log)
-    if not resume and ckpts.rounds():
-        raise CheckpointError(f"{out_dir} already holds checkpoints of a run; continue it with "
-                              f"`pfedkdh resume {out_dir}` or choose another --out")
-    data = build_federated_data(pool, part, eval_chunk=cfg.eval_chunk)
+    parts, part_summaries, ckpts = [], [], []
+    for c in cfgs:
+        _, part, part_summary = prepare_data(c, pool)
+        log((f"{c.out} (α = {c.alpha:g}, data seed {c.data_seed}):\n" if stacked else "")
+            + data_lib.format_summary(part_summary))
+        ck = Checkpoints(c.out, fingerprint(c.to_dict(), part), log=log)
+        if not resume and ck.rounds():
+            raise CheckpointError(f"{c.out} already holds checkpoints of a run; continue it with "
+                                  f"`pfedkdh resume {c.out}` or choose another --out")
+        parts.append(part)
+        part_summaries.append(part_summary)
+        ckpts.append(ck)
+    datas = [build_federated_data(pool, part, eval_chunk=cfg.eval_chunk) for part in parts]
     algo = make_algorithm(cfg, pool.num_classes)
     layout = engine_layout(cfg)
-    seeds = [cfg.seed + r for r in range(cfg.reps)]
-    batched = cfg.reps > 1 and resolved_reps_mode(cfg) == "vmap"
-    preflight.check(cfg, algo, data, layout, batched)   # one line, before anything is initialised
+    members = [(i, c.seed + r) for i, c in enumerate(cfgs) for r in range(c.reps)]
+    batched = len(members) > 1 and resolved_reps_mode(cfg) == "vmap"
+    if stacked:   # one partition per repetition, padded to one shape
+        data = stack_partitions([datas[i] for i, _ in members])
+        member_data = [run_slice(data, m) for m in range(len(members))]
+    else:
+        data, member_data = datas[0], [datas[0]] * len(members)
+    runner_data = data if batched else member_data[0]
+    preflight.check(dataclasses.replace(cfg, reps=len(members)), algo, runner_data, layout, batched)
     # Auto axes: XLA's sharding propagation places everything from the inputs' shardings.
     mesh = (jax.make_mesh((jax.device_count(),), ("devices",), axis_types=(jax.sharding.AxisType.Auto,))
             if jax.device_count() > 1 else None)
     if mesh is not None:
-        data = jax.device_put(data, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        put = lambda d: jax.device_put(d, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))  # noqa: E731
+        data, member_data = put(data), [put(d) for d in member_data]
+        runner_data = data if batched else member_data[0]
 
     # One runner (per phase of the method) for all groups: sequential repetitions reuse the same
     # compiled functions.
-    runner = PhasedRunner(algo, data, layout, reps=len(seeds) if batched else None, mesh=mesh)
+    runner = PhasedRunner(algo, runner_data, layout, reps=len(members) if batched else None, mesh=mesh)
     groups, states = [], []
-    for members in ([seeds] if batched else [[s] for s in seeds]):
-        ks = [streams(s) for s in members]
+    for group in ([list(range(len(members)))] if batched else [[m] for m in range(len(members))]):
+        ks = [streams(members[m][1]) for m in group]
         sched = [sample_schedule(k["sampling"], cfg.rounds, cfg.num_clients, cfg.clients_per_round) for k in ks]
-        st = [_initial_state(algo, runner, data, s) for s in members]
+        st = [_initial_state(algo, runner, member_data[m], members[m][1]) for m in group]
         if batched:
             keys = {name: jnp.stack([k[name] for k in ks]) for name in ks[0]}
-            state = tree_stack(st)
-            state = runner.place(state)
-            groups.append(_Group(members, np.stack(sched), keys, True))
+            groups.append(_Group([members[m] for m in group], np.stack(sched), keys, True, data))
+            states.append(runner.place(tree_stack(st)))
         else:
-            state = st[0]
-            groups.append(_Group(members, sched[0], ks[0], False))
-        states.append(state)
+            groups.append(_Group([members[group[0]]], sched[0], ks[0], False, member_data[group[0]]))
+            states.append(st[0])
 
-    start, history = 0, []
+    start, histories = 0, [[] for _ in cfgs]
     if resume:
-        restored = ckpts.restore_latest(states)
-        if restored is None:
-            log(f"no usable checkpoint in {out_dir}: starting from round 0")
-        else:
-            start, states, history = restored
-            log(f"resuming {out_dir} after round {start}")
-    _make_dir(out_dir)
-    if not resume or not os.path.exists(os.path.join(out_dir, "config.json")):
-        records.write_json(os.path.join(out_dir, "config.json"), {
-            **cfg.to_dict(), "engine": dataclasses.asdict(layout), "reps_batched": batched,
-            "environment": records.environment()})
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    records.write_text(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
+        restored = _restore(ckpts, cfgs, groups, states, batched, log)
+        if restored is not None:
+            start, states, histories = restored
+    for c in cfgs:
+        _make_dir(c.out)
+        if not resume or not os.path.exists(os.path.join(c.out, "config.json")):
+            records.write_json(os.path.join(c.out, "config.json"), {
+                **c.to_dict(), "engine": dataclasses.asdict(layout), "reps_batched": batched,
+                "stacked_runs": len(cfgs), "environment": records.environment()})
+    metrics_paths = [os.path.join(c.out, "metrics.jsonl") for c in cfgs]
+    for path, history in zip(metrics_paths, histories):
+        records.write_text(path, "".join(json.dumps(r) + "\n" for r in history))
 
     bar = records.progress(cfg.rounds, progress)
     bar.update(start)
@@ -179,54 +233,111 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
         do_eval = last or (t + 1) % cfg.eval_every == 0
         do_ea = do_eval and (cfg.ea_steps > 0 or cfg.ea_epochs > 0) and (last or (t + 1) % cfg.ea_every == 0)
         t0 = time.perf_counter()
-        rep_rows, train_s, eval_s = [], 0.0, 0.0
+        rep_rows, train_s, eval_s = [[] for _ in cfgs], 0.0, 0.0
         for g, group in enumerate(groups):
             t1 = time.perf_counter()
-            states[g], train_m = runner.round(states[g], data, group.selected(t), group.round_key("train", t), t)
+            states[g], train_m = runner.round(states[g], group.data, group.selected(t), group.round_key("train", t), t)
             jax.block_until_ready(states[g])
             t2 = time.perf_counter()
-            eval_m = (runner.evaluate(states[g], data, group.round_key("eval", t), t, personalize=do_ea)
+            eval_m = (runner.evaluate(states[g], group.data, group.round_key("eval", t), t, personalize=do_ea)
                       if do_eval else {})
             per_rep = group.split({**train_m, **eval_m})
             t3 = time.perf_counter()
             train_s, eval_s = train_s + t2 - t1, eval_s + t3 - t2
-            sel = np.asarray(group.selected(t)).reshape(len(group.seeds), -1)
-            for r, (seed, row) in enumerate(zip(group.seeds, per_rep)):
-                rep_rows.append({"round": t + 1, "seed": seed, **row, "clients": [int(k) for k in sel[r]]})
-        row = records.combine(rep_rows)
-        row.update(train_seconds=train_s, eval_seconds=eval_s, seconds=time.perf_counter() - t0)
-        history.append(row)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        for rep in rep_rows:
-            problem = records.divergence(rep, cfg.divergence_loss)
-            if problem:
-                summary = records.summary(cfg, history, part_summary, runner,
-                                   status=f"diverged at round {t + 1}")
-                records.write_json(os.path.join(out_dir, "summary.json"), summary)
-                who = f" in repetition {rep['seed'] - cfg.seed} (seed {rep['seed']})" if cfg.reps > 1 else ""
-                raise DivergenceError(f"{problem}{who} at round {t + 1} (try a smaller --lr); "
-                                      f"everything up to it is in {out_dir}")
+            sel = np.asarray(group.selected(t)).reshape(len(group.members), -1)
+            for r, ((i, seed), row) in enumerate(zip(group.members, per_rep)):
+                rep_rows[i].append({"round": t + 1, "seed": seed, **row, "clients": [int(k) for k in sel[r]]})
+        seconds = time.perf_counter() - t0
+        for i, c in enumerate(cfgs):
+            row = records.combine(rep_rows[i])
+            row.update(train_seconds=train_s, eval_seconds=eval_s, seconds=seconds)
+            histories[i].append(row)
+            with open(metrics_paths[i], "a") as f:
+                f.write(json.dumps(row) + "\n")
+        for i, c in enumerate(cfgs):
+            for rep in rep_rows[i]:
+                problem = records.divergence(rep, c.divergence_loss)
+                if problem:
+                    summary = records.summary(c, histories[i], part_summaries[i], runner,
+                                              status=f"diverged at round {t + 1}")
+                    records.write_json(os.path.join(c.out, "summary.json"), summary)
+                    who = f" in repetition {rep['seed'] - c.seed} (seed {rep['seed']})" if c.reps > 1 else ""
+                    raise DivergenceError(f"{problem}{who} at round {t + 1} (try a smaller --lr); "
+                                          f"everything up to it is in {c.out}")
         if cfg.checkpoint_every and ((t + 1) % cfg.checkpoint_every == 0 or last):
-            ckpts.save(t + 1, states, history)
+            for i, ck in enumerate(ckpts):
+                ck.save(t + 1, _run_states(i, groups, states, batched), histories[i])
         bar.update(1)
-        bar.set_postfix(records.postfix(row))
+        bar.set_postfix(records.postfix(histories[0][-1]))
     bar.close()
-    summary = records.summary(cfg, history, part_summary, runner, status="completed")
-    summary["bytes_per_client_round"] = message_bytes(algo, data, streams(cfg.seed)["init"])
-    summary["total_seconds"] = time.perf_counter() - t_start
-    records.write_json(os.path.join(out_dir, "summary.json"), summary)
-    try:
-        from pfedkdh_jax.run.plots import plot_curves
-        plot_curves(history, os.path.join(out_dir, "curves.png"),
-                    title=f"{cfg.method} on {cfg.dataset}, α={cfg.alpha:g}"
-                          + (f", {cfg.reps} repetitions (mean ± std)" if cfg.reps > 1 else ""))
-    except Exception as e:  # a plot must never lose a finished run
-        log(f"warning: curves.png not written: {e}")
-    summary["out"] = out_dir
+    summaries = []
+    for i, c in enumerate(cfgs):
+        summary = records.summary(c, histories[i], part_summaries[i], runner, status="completed")
+        summary["bytes_per_client_round"] = message_bytes(algo, datas[i], streams(c.seed)["init"])
+        summary["total_seconds"] = time.perf_counter() - t_start
+        if stacked:
+            summary["stacked_runs"] = [o.out for o in cfgs]   # its round times are the whole stack's
+        records.write_json(os.path.join(c.out, "summary.json"), summary)
+        try:
+            from pfedkdh_jax.run.plots import plot_curves
+            plot_curves(histories[i], os.path.join(c.out, "curves.png"),
+                        title=f"{c.method} on {c.dataset}, α={c.alpha:g}"
+                              + (f", {c.reps} repetitions (mean ± std)" if c.reps > 1 else ""))
+        except Exception as e:  # a plot must never lose a finished run
+            log(f"warning: curves.png not written: {e}")
+        summary["out"] = c.out
+        summaries.append(summary)
     if return_state:
-        return summary, states[0], data, algo, runner.runners[-1]
-    return summary
+        return [(summaries[0], states[0], data, algo, runner.runners[-1])]
+    return summaries
+
+
+def _check_stackable(cfgs: list[RunConfig]) -> None:
+    base = stack_key(cfgs[0])
+    for c in cfgs[1:]:
+        diff = sorted(k for k, v in stack_key(c).items() if base.get(k) != v)
+        if diff:
+            raise ConfigError(f"stacked runs may differ only in {', '.join(STACKABLE_FIELDS)}; "
+                              f"{c.out} also differs in {', '.join(diff)}")
+    outs = [c.out for c in cfgs]
+    if len(set(outs)) != len(outs):
+        raise ConfigError("stacked runs need one --out each; " + ", ".join(sorted({o for o in outs if outs.count(o) > 1}))
+                          + " is given twice")
+    if not algorithms.METHODS[cfgs[0].method].stackable:
+        raise ConfigError(f"{cfgs[0].method}'s runs do not stack (its shapes depend on the partition): "
+                          "run them one by one")
+
+
+def _run_states(i: int, groups: list[_Group], states: list, batched: bool) -> list:
+    """Run ``i``'s states in the layout of its solo run: one batched group sliced to its
+    repetitions, or its repetitions' groups."""
+    if batched:
+        take = np.asarray([m for m, (run_, _) in enumerate(groups[0].members) if run_ == i])
+        return [jax.tree_util.tree_map(lambda a: a[take], states[0])]
+    return [s for g, s in zip(groups, states) if g.members[0][0] == i]
+
+
+def _restore(ckpts, cfgs, groups, states, batched, log):
+    """Every run's newest checkpoint of one common round, reassembled into the groups' states;
+    ``None`` (start from round 0) if there is none."""
+    newest = [max(ck.rounds(), default=0) for ck in ckpts]
+    common = min(newest)
+    restored = []
+    for i, ck in enumerate(ckpts):
+        got = ck.restore_latest(_run_states(i, groups, states, batched), upto=common) if common else None
+        if got is None or (restored and got[0] != restored[0][0]):
+            log(f"no usable checkpoint of one round in {', '.join(c.out for c in cfgs)}: starting from round 0")
+            return None
+        restored.append(got)
+    start = restored[0][0]
+    if batched:
+        parts = [r[1][0] for r in restored]   # each run's repetitions, in member order
+        merged = [jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)]
+    else:
+        merged = [s for r in restored for s in r[1]]
+    for c in cfgs:
+        log(f"resuming {c.out} after round {start}")
+    return start, merged, [r[2] for r in restored]
 
 
 def _check_writable(out_dir: str) -> None:

@@ -18,6 +18,12 @@ like any other (``pfedkdh report`` and ``pfedkdh resume`` work on it). The sweep
 * ``curves-<dataset>-a<alpha>.png``: accuracy vs round per cell, mean with a ± std band, one line
   per method (the paper's Figure 2).
 
+With ``stack`` (``pfedkdh sweep --stack``) the points that differ only in α run as one program
+(:func:`~pfedkdh_jax.run.experiment.run_stacked`: their partitions stacked along the repetition
+axis, vmapped with ``--reps-mode vmap``, else one after another on one set of compiled functions);
+each keeps its own directory, and its numbers are its solo run's up to float rounding. Methods whose
+shapes depend on the partition (FedFed) run point by point.
+
 Interrupted sweeps resume: a finished point is kept, a point with checkpoints resumes from the
 newest (bit-identical to an uninterrupted run), a point killed before its first checkpoint starts
 again; the tables are rebuilt from the run directories, so they equal an uninterrupted sweep's.
@@ -51,13 +57,14 @@ class Sweep:
     preset: str = "default"
     options: tuple[tuple[str, Any], ...] = ()        # other run options, shared by every point
     method_args: tuple[tuple[str, tuple], ...] = ()  # ((method, ((key, text), ...)), ...)
+    stack: bool = False                              # points differing only in α: one program
 
     def to_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
 def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", options=None,
-               method_args=None) -> Sweep:
+               method_args=None, stack=False) -> Sweep:
     """A validated :class:`Sweep`: every point's config is built (and so checked) here."""
     def listed(name, values):
         values = tuple(values)
@@ -82,7 +89,8 @@ def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", 
     sweep = Sweep(listed("datasets", datasets), tuple(float(a) for a in listed("alphas", alphas)),
                   listed("methods", methods), seeds, tuple((k, tuple(v)) for k, v in grid.items()), preset,
                   tuple(sorted(options.items())),
-                  tuple((m, tuple(tuple(p) for p in pairs)) for m, pairs in (method_args or {}).items()))
+                  tuple((m, tuple(tuple(p) for p in pairs)) for m, pairs in (method_args or {}).items()),
+                  bool(stack))
     for m, _ in sweep.method_args:
         if m not in sweep.methods:
             raise ConfigError(f"--method-arg {m}:...: {m} is not one of the sweep's --methods")
@@ -135,35 +143,67 @@ def _status(run_dir: str) -> str:
     return "started" if os.path.exists(run_dir) else "new"
 
 
+def _grid_of(spec: dict) -> dict:
+    return {k: v for k, v in spec.items() if k != "stack"}
+
+
 def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable = print) -> dict:
     """Run (or continue) every point of ``sweep`` under ``out``, then write the tables and figures."""
-    from pfedkdh_jax.run.experiment import resume, run
+    from pfedkdh_jax.run.experiment import resume, run, run_stacked
 
     os.makedirs(out, exist_ok=True)
     spec_path = os.path.join(out, "sweep.json")
     if os.path.exists(spec_path):
         with open(spec_path) as f:
             stored = json.load(f)
-        if stored != sweep.to_json():
+        # the same grid (whether its points stack is how, not what: it may change between calls)
+        if _grid_of(stored) != _grid_of(sweep.to_json()):
             raise ConfigError(f"{out} holds another sweep (its sweep.json differs); choose another --out")
     else:
         with open(spec_path, "w") as f:
             json.dump(sweep.to_json(), f, indent=2)
     todo = points(sweep, out)
-    for i, (name, cfg) in enumerate(todo):
-        status = _status(cfg.out)
-        log(f"[{i + 1}/{len(todo)}] {name}: " + {"completed": "done already", "checkpointed": "resuming",
-                                                  "started": "restarting (no checkpoint yet)",
-                                                  "new": "running"}[status])
-        if status == "completed":
+    number = {name: i + 1 for i, (name, _) in enumerate(todo)}
+    for group in _stacks(sweep, todo):
+        resumed, fresh = [], []
+        for name, cfg in group:
+            status = _status(cfg.out)
+            log(f"[{number[name]}/{len(todo)}] {name}: " + {"completed": "done already", "checkpointed": "resuming",
+                                                            "started": "restarting (no checkpoint yet)",
+                                                            "new": "running"}[status])
+            if status == "started":
+                shutil.rmtree(cfg.out)   # a point killed before its first checkpoint: nothing to keep
+            if status == "checkpointed":
+                resumed.append(cfg)
+            elif status != "completed":
+                fresh.append(cfg)
+        if len(group) == 1:
+            if resumed:
+                resume(resumed[0].out, progress=progress, log=log)
+            elif fresh:
+                run(fresh[0], progress=progress, log=log)
             continue
-        if status == "checkpointed":
-            resume(cfg.out, progress=progress, log=log)
-            continue
-        if status == "started":
-            shutil.rmtree(cfg.out)   # a point killed before its first checkpoint: nothing to keep
-        run(cfg, progress=progress, log=log)
+        if len(group) > 1 and (resumed or fresh):
+            log(f"stacked: {', '.join(n for n, c in group if c in resumed or c in fresh)}")
+        if resumed:
+            run_stacked(resumed, progress=progress, log=log, resume=True)
+        if fresh:
+            run_stacked(fresh, progress=progress, log=log)
     return write_outputs(sweep, out)
+
+
+def _stacks(sweep: Sweep, todo: list[tuple[str, RunConfig]]) -> list[list[tuple[str, RunConfig]]]:
+    """The points run together: with ``sweep.stack``, those that differ only in α (and a method whose
+    runs stack); else one by one."""
+    from pfedkdh_jax.run.experiment import stack_key
+
+    if not sweep.stack:
+        return [[p] for p in todo]
+    groups: dict[str, list] = {}
+    for name, cfg in todo:
+        key = json.dumps(stack_key(cfg), sort_keys=True, default=str) if METHODS[cfg.method].stackable else name
+        groups.setdefault(key, []).append((name, cfg))
+    return list(groups.values())
 
 
 # ------------------------------------------------------------------------------------------ tables
