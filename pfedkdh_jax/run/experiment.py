@@ -3,6 +3,8 @@
 The run directory holds ``config.json``, ``metrics.jsonl`` (one line per round, appended and flushed
 as the run goes, so nothing is lost if it is interrupted), ``summary.json`` and ``curves.png``.
 This module is the thin host layer; the numerics are the pure functions of the other modules.
+:func:`run_stacked` runs several such runs (other α values or data seeds) as one program.
+(Over 300 lines: one host loop serves a run and stacked runs, with their checkpoints and resume.)
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ shapes depend on the partition (FedFed) run point by point.
 Interrupted sweeps resume: a finished point is kept, a point with checkpoints resumes from the
 newest (bit-identical to an uninterrupted run), a point killed before its first checkpoint starts
 again; the tables are rebuilt from the run directories, so they equal an uninterrupted sweep's.
+(Over 300 lines: the grid, the order its points run in and the three outputs belong together.)
 """
 
 from __future__ import annotations
