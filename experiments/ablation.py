@@ -107,7 +107,9 @@ def main() -> None:
     text, found = table(args.runs_dir)
     print(text)
     with open(os.path.join(args.out_dir, "ablation.md"), "w") as f:
-        f.write(text + "\n")
+        f.write(f"{args.dataset}, α = {args.alpha:g}, paper preset, seed 0, data seed 0, test split, last round "
+                "(`python experiments/ablation.py`; BENCHMARKS.md has the commands and the reading). "
+                "s/round: each run on one core next to other work, not a speed figure.\n\n" + text + "\n")
     if found:
         figure(found, os.path.join(args.out_dir, "ablation.png"))
 

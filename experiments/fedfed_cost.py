@@ -1,0 +1,87 @@
+"""What FedFed's rounds cost next to FedAvg's: seconds per round of each phase, the one-off pool build,
+and the process's peak memory, each method in a fresh process on the same partition.
+
+FedFed runs ``--rounds R`` with ``--method-arg feature_rounds=A`` (A phase-A rounds, then R − A of phase
+B; the first phase-B round also builds the shared pool); FedAvg runs the same preset for ``--fedavg-rounds``.
+Evaluation is off except at the last round (``--eval-every R``), so round times are training only.
+
+    python experiments/fedfed_cost.py --data-dir ../shared/data/tfds [--dataset mnist] [--preset paper] \
+        [--rounds 6] [--feature-rounds 3] [--fedavg-rounds 4] [--write runs/fedfed_cost.md]
+
+Timings are benchmark output; run it with nothing else busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+SCRIPT = """
+import json, resource, sys, time
+from pfedkdh_jax.run.config import make_config
+from pfedkdh_jax.run.experiment import run
+method, dataset, preset, data_dir, rounds, feature_rounds, out = sys.argv[1:8]
+args = (("feature_rounds", feature_rounds),) if method == "fedfed" else ()
+cfg = make_config(preset, method=method, dataset=dataset, data_dir=data_dir or None, rounds=int(rounds),
+                  eval_every=int(rounds), checkpoint_every=0, method_args=args, out=out)
+run(cfg, progress=False, log=lambda *_: None)
+rows = [json.loads(line) for line in open(out + "/metrics.jsonl")]
+print(json.dumps({"train_seconds": [r["train_seconds"] for r in rows],
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def measure(method: str, args, rounds: int, tmp: str) -> dict:
+    out = os.path.join(tmp, method)
+    p = subprocess.run([sys.executable, "-c", SCRIPT, method, args.dataset, args.preset, args.data_dir or "",
+                        str(rounds), str(args.feature_rounds), out], capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"{method} failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-dir", default=os.environ.get("TFDS_DATA_DIR"))
+    ap.add_argument("--dataset", default="mnist")
+    ap.add_argument("--preset", default="paper")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--feature-rounds", type=int, default=3)
+    ap.add_argument("--fedavg-rounds", type=int, default=4)
+    ap.add_argument("--write", default=None, help="also write the table to this file")
+    args = ap.parse_args()
+    if not 2 <= args.feature_rounds <= args.rounds - 2:
+        raise SystemExit("--feature-rounds must leave 2 rounds of each phase (2 <= A <= rounds - 2)")
+    with tempfile.TemporaryDirectory() as tmp:
+        fedavg = measure("fedavg", args, args.fedavg_rounds, tmp)
+        fedfed = measure("fedfed", args, args.rounds, tmp)
+    a = args.feature_rounds
+    avg = statistics.median(fedavg["train_seconds"][1:])
+    phase_a = statistics.median(fedfed["train_seconds"][1:a])       # after the first (compiling) round
+    phase_b = statistics.median(fedfed["train_seconds"][a + 1:])     # after the pool's round
+    entry = fedfed["train_seconds"][a]
+    mib = lambda b: f"{b / 2 ** 20:.0f} MiB"  # noqa: E731
+    lines = [f"{args.dataset}, preset {args.preset}: FedAvg {args.fedavg_rounds} rounds; FedFed {args.rounds} "
+             f"rounds ({a} of phase A); seconds of training per round (median after each phase's first round)",
+             "", "| | s/round | ÷ FedAvg's | first round (compiles) | process peak RSS |", "|---|---|---|---|---|",
+             f"| FedAvg | {avg:.1f} | 1.00 | {fedavg['train_seconds'][0]:.1f} s | {mib(fedavg['peak_rss'])} |",
+             f"| FedFed phase A | {phase_a:.1f} | {phase_a / avg:.2f} | {fedfed['train_seconds'][0]:.1f} s | "
+             f"{mib(fedfed['peak_rss'])} (whole run) |",
+             f"| FedFed phase B | {phase_b:.1f} | {phase_b / avg:.2f} | {entry:.1f} s (phase B's compile and the "
+             f"pool's build: {entry - phase_b:.1f} s more than a later round) | |",
+             "", f"all rounds: FedAvg {[round(t, 1) for t in fedavg['train_seconds']]}, "
+             f"FedFed {[round(t, 1) for t in fedfed['train_seconds']]}"]
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        with open(args.write, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
