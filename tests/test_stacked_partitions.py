@@ -25,7 +25,7 @@ from pfedkdh_jax.engine.packing import make_packed_round
 from pfedkdh_jax.engine.round import make_round
 from pfedkdh_jax.engine.runner import RoundRunner
 from pfedkdh_jax.run.config import ConfigError, make_config
-from pfedkdh_jax.run.experiment import run, run_stacked
+from pfedkdh_jax.run.experiment import resume, run, run_stacked
 
 from conftest import synthetic_pool
 from test_protocol import LAYOUT_TOL, build, close
@@ -197,6 +197,24 @@ def test_run_stacked_writes_every_run_as_its_solo_run(tmp_path, mode):
     run_stacked(cfgs, progress=False, log=log.append, resume=True)
     assert sum("after round 2" in line for line in log) == 2
     assert _numbers(_rows(cfgs[0].out)) == first
+
+
+def test_a_stacked_point_resumes_alone(tmp_path):
+    """One repetition per α, vmapped: each directory's checkpoint is a solo run's (no repetition axis),
+    so ``resume`` of one directory alone continues it; the stack resumes from them too."""
+    base = dict(dataset="digits", rounds=2, num_clients=4, aux_size=100, local_epochs=1, checkpoint_every=1,
+                reps_mode="vmap", method="fedper")
+    cfgs = [make_config("default", **base, alpha=a, out=str(tmp_path / f"p{a}")) for a in (0.5, 1.0)]
+    run_stacked(cfgs, progress=False, log=lambda m: None)
+    want = _rows(cfgs[0].out)
+    os.remove(os.path.join(cfgs[0].out, "summary.json"))
+    log = []
+    resume(cfgs[0].out, progress=False, log=log.append)
+    assert any("after round 2" in line for line in log) and not any("corrupt" in line for line in log)
+    assert [r["personalized_macro_accuracy"] for r in _rows(cfgs[0].out)] == [r["personalized_macro_accuracy"] for r in want]
+    log = []
+    run_stacked(cfgs, progress=False, log=log.append, resume=True)
+    assert sum("after round 2" in line for line in log) == 2 and not any("corrupt" in line for line in log)
 
 
 def test_run_stacked_refuses_runs_that_do_not_stack(tmp_path):

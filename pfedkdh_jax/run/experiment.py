@@ -311,10 +311,13 @@ def _check_stackable(cfgs: list[RunConfig]) -> None:
 
 
 def _run_states(i: int, groups: list[_Group], states: list, batched: bool) -> list:
-    """Run ``i``'s states in the layout of its solo run: one batched group sliced to its
-    repetitions, or its repetitions' groups."""
+    """Run ``i``'s states in the layout of its solo run (so ``pfedkdh resume`` of its directory alone
+    works too): one batched group sliced to its repetitions (a lone repetition without the axis, as
+    a solo run of one repetition keeps it), or its repetitions' groups."""
     if batched:
         take = np.asarray([m for m, (run_, _) in enumerate(groups[0].members) if run_ == i])
+        if len(take) == 1:
+            return [jax.tree_util.tree_map(lambda a: a[take[0]], states[0])]
         return [jax.tree_util.tree_map(lambda a: a[take], states[0])]
     return [s for g, s in zip(groups, states) if g.members[0][0] == i]
 
@@ -333,7 +336,9 @@ def _restore(ckpts, cfgs, groups, states, batched, log):
         restored.append(got)
     start = restored[0][0]
     if batched:
-        parts = [r[1][0] for r in restored]   # each run's repetitions, in member order
+        counts = [c.reps for c in cfgs]   # each run's repetitions, in member order (a lone one without the axis)
+        parts = [r[1][0] if n > 1 else jax.tree_util.tree_map(lambda a: a[None], r[1][0])
+                 for r, n in zip(restored, counts)]
         merged = [jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)]
     else:
         merged = [s for r in restored for s in r[1]]
