@@ -64,6 +64,7 @@ class _ClientCalls:
                  d=None):
         # max_size: the largest client (static step count of a scan); d: the data's repetition in_axes
         self.layout, self.problem = layout, problem
+        self._sizes: dict[int, tuple] = {}   # id(train_n) -> (train_n, its host copy)
         self.max_steps = int(problem.trainer.num_steps(problem.size(max_size)))
         train, finish = problem.train, problem.finish
         vstart = jax.vmap(problem.start, in_axes=(None, None, 0, None))
@@ -101,13 +102,20 @@ class _ClientCalls:
         scan); the sizes are read from the data given (any partition of the stacked shape)."""
         if self.layout.step_loop == "scan":
             return 1, 0
-        clients, sizes = np.asarray(clients), np.asarray(data.train_n)
+        clients, sizes = np.asarray(clients), self._host_sizes(data)
         if sizes.ndim == 2:   # stacked partitions: each repetition's clients in its own partition
             n = int(np.take_along_axis(sizes, clients.reshape(sizes.shape[0], -1), axis=1).max())
         else:
             n = int(sizes[np.ravel(clients)].max())
         steps = int(self.problem.trainer.num_steps(self.problem.size(n)))
         return divmod(steps, self.layout.chunk_steps)
+
+    def _host_sizes(self, data: FederatedData) -> np.ndarray:
+        """``data.train_n`` on the host, read once per data object (not once per client and round)."""
+        cached = self._sizes.get(id(data.train_n))
+        if cached is None or cached[0] is not data.train_n:
+            cached = self._sizes[id(data.train_n)] = (data.train_n, np.asarray(data.train_n))
+        return cached[1]
 
     def _drive(self, start, train, step, finish, state, ctx, data, sel, clients, key):
         """One plan for both layouts: start, the chunks, the single tail steps, finish."""

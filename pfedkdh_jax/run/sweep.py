@@ -150,7 +150,7 @@ def _grid_of(spec: dict) -> dict:
 
 def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable = print) -> dict:
     """Run (or continue) every point of ``sweep`` under ``out``, then write the tables and figures."""
-    from pfedkdh_jax.run.experiment import resume, run, run_stacked
+    from pfedkdh_jax.run.experiment import run_stacked
 
     os.makedirs(out, exist_ok=True)
     spec_path = os.path.join(out, "sweep.json")
@@ -165,8 +165,8 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
             json.dump(sweep.to_json(), f, indent=2)
     todo = points(sweep, out)
     number = {name: i + 1 for i, (name, _) in enumerate(todo)}
-    for group in _stacks(sweep, todo):
-        resumed, fresh = [], []
+    for group in _stacks(sweep, todo):   # one point, or the points that run as one program
+        resumed, fresh, names = [], [], []
         for name, cfg in group:
             status = _status(cfg.out)
             log(f"[{number[name]}/{len(todo)}] {name}: " + {"completed": "done already", "checkpointed": "resuming",
@@ -174,18 +174,11 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
                                                             "new": "running"}[status])
             if status == "started":
                 shutil.rmtree(cfg.out)   # a point killed before its first checkpoint: nothing to keep
-            if status == "checkpointed":
-                resumed.append(cfg)
-            elif status != "completed":
-                fresh.append(cfg)
-        if len(group) == 1:
-            if resumed:
-                resume(resumed[0].out, progress=progress, log=log)
-            elif fresh:
-                run(fresh[0], progress=progress, log=log)
-            continue
-        if len(group) > 1 and (resumed or fresh):
-            log(f"stacked: {', '.join(n for n, c in group if c in resumed or c in fresh)}")
+            if status != "completed":
+                (resumed if status == "checkpointed" else fresh).append(cfg)
+                names.append(name)
+        if len(group) > 1 and names:
+            log(f"stacked: {', '.join(names)}")
         if resumed:
             run_stacked(resumed, progress=progress, log=log, resume=True)
         if fresh:
