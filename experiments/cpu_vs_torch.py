@@ -66,7 +66,7 @@ def jax_side(cfg, pool, part, rounds: int) -> dict:
 
     data = build_federated_data(pool, part)
     algo = algorithms.build(cfg, pool.num_classes)
-    engine = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps).resolved()
+    engine = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps, client_devices=cfg.client_devices).resolved()
     runner = RoundRunner(algo, data, engine)
     state = algo.init(jax.random.key(0), data)
     everyone = np.arange(data.num_clients)
@@ -105,7 +105,8 @@ def jax_side(cfg, pool, part, rounds: int) -> dict:
             "step_samples_per_s_xla_defaults": step_rate(None),
             "round_seconds": times[1:], "first_round_seconds": times[0],
             "engine": f"{engine.client_parallel} + {engine.step_loop}"
-                      + (f" (chunk {engine.chunk_steps})" if engine.step_loop == "unrolled" else ""),
+                      + (f" (chunk {engine.chunk_steps})" if engine.step_loop == "unrolled" else "")
+                      + (f", {engine.client_devices} devices" if engine.client_devices > 1 else ""),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
@@ -118,9 +119,14 @@ def main() -> None:
     ap.add_argument("--client-parallel", default=None)
     ap.add_argument("--step-loop", default=None)
     ap.add_argument("--chunk-steps", type=int, default=8)
+    ap.add_argument("--client-devices", type=int, default=None,
+                    help="XLA:CPU devices the sequential clients are spread over (default: as the CLI, one per "
+                         "core up to 2; 1 = one device)")
     ap.add_argument("--only", choices=("torch", "jax"), default=None)
     ap.add_argument("--write", default=None, help="append the markdown table (and JSON) here")
     args = ap.parse_args()
+    from pfedkdh_jax.engine.cpu_devices import CPU_DEVICES_DEFAULT_MAX, request_cpu_devices
+    request_cpu_devices(max(args.client_devices, CPU_DEVICES_DEFAULT_MAX) if args.client_devices else None)
 
     from pfedkdh_jax.run.config import make_config
     from pfedkdh_jax.run.experiment import prepare_data
@@ -130,7 +136,8 @@ def main() -> None:
         alpha, epochs = WORK[dataset]
         cfg = make_config("paper", method="fedper", dataset=dataset, alpha=alpha, data_dir=args.data_dir,
                           participation=1.0, local_epochs=epochs, client_parallel=args.client_parallel,
-                          step_loop=args.step_loop, chunk_steps=args.chunk_steps)
+                          step_loop=args.step_loop, chunk_steps=args.chunk_steps,
+                          client_devices=args.client_devices)
         pool, part, _ = prepare_data(cfg)
         sample_steps = epochs * sum(len(t) for t in part.train_idx)
         row = {"dataset": dataset, "alpha": alpha, "epochs": epochs, "sample_steps": sample_steps}

@@ -16,6 +16,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:   # the first process of the r
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pfedkdh-test-xla-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# One XLA:CPU device unless a test asks for more (in a subprocess): the CLI, called in-process by
+# many tests and as a subprocess by others, would otherwise make one device per core
+# (engine/layout.py: request_cpu_devices), so a test's devices would depend on which test ran first.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
 
 import jax
 import numpy as np

@@ -1,6 +1,7 @@
 """The command line: a smoke run on the embedded set, and bad input failing with one clear line."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -50,6 +51,8 @@ def test_smoke_run_writes_the_run_directory(tmp_path, capsys):
     (["--aux-size", "1797"], "--aux-size"),
     (["--clients", "200", "--min-client-samples", "10"], "min_client_samples"),
     (["--dataset", "cifar10", "--data-dir", "."], "download_and_prepare"),
+    (["--client-devices", "0"], "--client-devices"),
+    (["--preset", "smoke", "--client-devices", "3"], "--client-devices"),   # this process has 1 device
 ])
 def test_bad_input_is_one_clear_line(args, option, capsys):
     rc = cli.main(["run", "--no-progress", "--out", "unused", *args])
@@ -93,6 +96,27 @@ def test_bad_input_fails_before_importing_jax():
     assert p.returncode == 2
     assert p.stdout.strip() == "False"
     assert p.stderr.count("\n") == 1 and "--alpha must be > 0" in p.stderr
+
+
+def test_cli_asks_for_one_cpu_device_per_core_up_to_two_unless_the_user_set_a_count():
+    code = ("import os, sys; from pfedkdh_jax.engine.cpu_devices import request_cpu_devices as r; "
+            "os.environ.pop('XLA_FLAGS', None); a = r(); f = os.environ['XLA_FLAGS']; "
+            "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=5'; "
+            "print(a, f, r(), r(3), os.environ['XLA_FLAGS'], 'jax' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    cores = min(2, len(os.sched_getaffinity(0)))
+    assert p.stdout.split() == [str(cores), f"--xla_force_host_platform_device_count={cores}", "None", "None",
+                                "--xla_force_host_platform_device_count=5", "False"], p.stderr
+    # in this process JAX's backends are up: asking changes nothing
+    import jax
+    jax.devices()
+    from pfedkdh_jax.engine.cpu_devices import request_cpu_devices
+    flags = os.environ.get("XLA_FLAGS")
+    os.environ["XLA_FLAGS"] = ""
+    try:
+        assert request_cpu_devices(4) is None and os.environ["XLA_FLAGS"] == ""
+    finally:
+        os.environ["XLA_FLAGS"] = flags
 
 
 def test_presets():

@@ -9,5 +9,6 @@
 :mod:`.scoring`            accuracies of the models an evaluation holds
 :mod:`.runner`             ``RoundRunner``: the host loop that compiles and calls the pieces
 :mod:`.sharding`           a piece per device (``shard_map``)
+:mod:`.cpu_devices`        XLA:CPU host devices for spreading sequential clients (no JAX import)
 =========================  ==========================================================================
 """

@@ -8,6 +8,11 @@
   needed, chained on the device without host synchronisation.
 * ``lanes``: with ``vmap`` + ``scan``, pack the round's jobs into this many lanes of near-equal local
   work instead of giving every client the largest client's steps (:mod:`pfedkdh_jax.engine.packing`).
+* ``client_devices``: with ``sequential`` clients, spread a round's clients over this many local
+  devices (longest first, each to the least loaded device); on a CPU these are the XLA:CPU devices
+  of ``--xla_force_host_platform_device_count`` (which the CLI sets to one per core, up to 2:
+  :func:`pfedkdh_jax.engine.cpu_devices.request_cpu_devices`). The same compiled code runs on every device, so the numbers are the
+  ones of one device.
 
 On XLA:CPU a convolution inside a while loop is ~15–20× slower than the same steps unrolled, so the CPU
 default is sequential + unrolled; on GPU/TPU the default is vmap + scan, one compiled call per round.
@@ -35,6 +40,8 @@ class Layout:
     chunk_steps: int = 8                 # steps per compiled chunk when step_loop == "unrolled"
     lanes: int | None = None             # pack each round's (run, client) jobs into this many lanes
                                          # (engine/packing.py; vmap + scan only); None: one per job
+    client_devices: int | None = None    # sequential clients spread over this many local devices;
+                                         # None: every local device with sequential clients, else 1
 
     def resolved(self, backend: str | None = None) -> "Layout":
         backend = backend or jax.default_backend()
@@ -43,6 +50,15 @@ class Layout:
             self,
             client_parallel=self.client_parallel or ("sequential" if cpu else "vmap"),
             step_loop=self.step_loop or ("unrolled" if cpu else "scan"))
+        local = len(jax.local_devices(backend=backend))
+        if cfg.client_devices is None:
+            cfg = dataclasses.replace(cfg, client_devices=local if cfg.client_parallel == "sequential" else 1)
+        if not 1 <= cfg.client_devices <= local:
+            raise ValueError(f"client_devices must be between 1 and the {local} local {backend} device(s); "
+                             f"got {cfg.client_devices}")
+        if cfg.client_devices > 1 and cfg.client_parallel != "sequential":
+            raise ValueError(f"client_devices={cfg.client_devices} spreads sequential clients over devices: "
+                             f"it needs client_parallel='sequential' (got {cfg.client_parallel!r})")
         if cfg.client_parallel not in CLIENT_PARALLEL:
             raise ValueError(f"client_parallel must be one of {CLIENT_PARALLEL}, got {cfg.client_parallel!r}")
         if cfg.step_loop not in STEP_LOOPS:
@@ -59,23 +75,28 @@ class Layout:
         return cfg
 
 
-# XLA:CPU option that turns off its YNNPACK library calls (on by default in jaxlib 0.10).
+# XLA:CPU's choice of the operations it hands to its YNNPACK library (all kinds by default in jaxlib 0.10).
 _YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+# Local training hands it single dots and reductions only: no convolutions, no elementwise fusions.
+_YNN_TRAINING = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
 
 
 def local_training_compiler_options(backend: str | None = None) -> dict | None:
     """``jax.jit`` compiler options for the compiled calls that take local SGD steps of the CNN.
 
-    On XLA:CPU these calls compile without YNNPACK (``xla_cpu_experimental_ynn_fusion_type`` empty):
-    measured on the 2-core machine, a batch-64 training step ran 1.4× (MNIST) and 2.2× (CIFAR-10)
-    faster without it, while large-batch forward passes (evaluation, the teacher's D_s features) ran
-    up to 3× faster *with* it on MNIST shapes (BENCHMARKS.md, "CPU against PyTorch"), so those
-    keep XLA's default. ``None`` (XLA's defaults) on other backends, and when the user's
-    ``XLA_FLAGS`` already set the option (theirs wins).
+    On XLA:CPU these calls give YNNPACK (``xla_cpu_experimental_ynn_fusion_type``) only single dots and
+    reductions. Measured on the 2-core machine, a batch-64 training step with YNNPACK's default set
+    ran 1.4× (MNIST) and 2.2× (CIFAR-10) slower than with none (its convolutions and elementwise
+    fusions are the slow part: 0.4× and 0.6× of none on CIFAR-10 shapes), and with dots and
+    reductions only 1.15–1.17× faster than with none (a round 13 % faster on MNIST), while
+    large-batch forward passes (evaluation, the teacher's D_s features) ran up to 3× faster with the
+    default set on MNIST shapes, so those keep XLA's default (BENCHMARKS.md, "CPU against PyTorch").
+    ``None`` (XLA's defaults) on other backends, and when the user's ``XLA_FLAGS`` already set the
+    option (theirs wins).
     """
     if (backend or jax.default_backend()) != "cpu" or _YNN_OPTION in os.environ.get("XLA_FLAGS", ""):
         return None
-    return {_YNN_OPTION: ""}
+    return {_YNN_OPTION: _YNN_TRAINING}
 
 
 def num_chunks(steps: int, chunk_steps: int) -> int:

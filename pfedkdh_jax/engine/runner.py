@@ -8,7 +8,8 @@ synchronisation:
 * ``vmap`` + ``unrolled``: start all selected clients, call a compiled chunk of ``chunk_steps`` steps
   as often as the largest selected client needs (its last steps one at a time), finish them, update;
 * ``sequential``: the same client by client, with one compiled function per piece reused by every
-  client, then the updates stacked for the server;
+  client, then the updates stacked for the server; with ``client_devices`` > 1 (and no mesh) the
+  clients are spread over that many local devices, which work at the same time (:class:`_Spread`);
 * ``vmap`` + ``scan`` with ``lanes``: one compiled call whose local work, of every repetition at once,
   is packed into lanes (:mod:`pfedkdh_jax.engine.packing`).
 
@@ -133,12 +134,59 @@ class _ClientCalls:
         return self._drive(self.start_all, self.train_all, self.step_all, self.finish_all,
                            state, ctx, data, sel, clients, key)
 
-    def run_each(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place):
-        """Every one of ``clients`` one after another (one per repetition at a time with ``[R, C]``)."""
+    def run_each(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place,
+                 spread: "_Spread | None" = None):
+        """Every one of ``clients`` one after another (one per repetition at a time with ``[R, C]``);
+        with ``spread``, one after another on each of its devices (results on the first)."""
         clients = np.asarray(clients)
-        return [self._drive(self.start_one, self.train_one, self.step_one, self.finish_one,
-                            state, ctx, data, place(jnp.asarray(clients[..., c], jnp.int32)), clients[..., c], key)
-                for c in range(clients.shape[-1])]
+        drive = lambda st, cx, dt, sel, c, k: self._drive(  # noqa: E731
+            self.start_one, self.train_one, self.step_one, self.finish_one, st, cx, dt, sel, c, k)
+        cols = range(clients.shape[-1])
+        if spread is None:
+            return [drive(state, ctx, data, place(jnp.asarray(clients[..., c], jnp.int32)), clients[..., c], key)
+                    for c in cols]
+        steps = [(lambda q, r: q * self.layout.chunk_steps + r)(*self.calls(clients[..., c], data)) for c in cols]
+        where, order = spread.assign(steps)
+        copies = spread.copies(state, ctx, key)
+        datas = spread.data_on(data)
+        outs = [None] * len(steps)
+        for c in order:   # longest first; each device's calls queue up behind one another
+            i = where[c]
+            sel = jax.device_put(np.asarray(clients[..., c], np.int32), spread.devices[i])
+            outs[c] = drive(*copies[i][:2], datas[i], sel, clients[..., c], copies[i][2])
+        return [o if where[c] == 0 else jax.device_put(o, spread.devices[0]) for c, o in enumerate(outs)]
+
+
+class _Spread:
+    """The local devices that sequential clients are spread over (``Layout.client_devices``).
+
+    A round's clients go longest first to the least loaded device (counted in local steps); each
+    device runs its clients one after another with the same compiled pieces, on its own copy of the
+    data (made once per data object) and of the round's state; the results come back to the first
+    device. Calls are dispatched asynchronously, so the devices work at the same time.
+    """
+
+    def __init__(self, devices):
+        self.devices = list(devices)
+        self._data: dict[int, tuple] = {}   # id(data) -> (data, its copy on every device)
+
+    def assign(self, steps: list[int]) -> tuple[list[int], list[int]]:
+        """(device of each client, the clients longest first): greedy longest-processing-time."""
+        order = sorted(range(len(steps)), key=lambda c: -steps[c])   # stable: ties keep client order
+        loads, where = [0] * len(self.devices), [0] * len(steps)
+        for c in order:
+            i = loads.index(min(loads))
+            where[c], loads[i] = i, loads[i] + steps[c]
+        return where, order
+
+    def copies(self, *tree):
+        return [tree] + [jax.device_put(tree, d) for d in self.devices[1:]]
+
+    def data_on(self, data: FederatedData) -> list:
+        cached = self._data.get(id(data))
+        if cached is None or cached[0] is not data:
+            cached = self._data[id(data)] = (data, [data] + [jax.device_put(data, d) for d in self.devices[1:]])
+        return cached[1]
 
 
 class RoundRunner:
@@ -160,6 +208,10 @@ class RoundRunner:
         # the repetition axis is sharded over the mesh when it divides evenly
         self.rep_sharding = leading_axis_sharding(mesh) if multi and reps and reps % mesh.size == 0 else None
         shard_clients = multi and reps is None
+        # sequential clients spread over local devices, where no mesh has taken the devices
+        n = self.layout.client_devices or 1
+        self.spread = (_Spread(jax.local_devices()[:n]) if n > 1 and not multi
+                       and self.layout.client_parallel == "sequential" else None)
         train_options = local_training_compiler_options()
 
         def compiled(name, fn, axes, steps=False):
@@ -249,7 +301,7 @@ class RoundRunner:
         if self.layout.client_parallel == "vmap":
             updates = self._clients.run_all(state, ctx, data, selected, key, self.place)
         else:
-            updates = self._stack(self._clients.run_each(state, ctx, data, selected, key, self.place))
+            updates = self._stack(self._clients.run_each(state, ctx, data, selected, key, self.place, self.spread))
         return self._server(state, data, sel, updates, key)
 
     def prepare(self, state, data: FederatedData, key: jax.Array):
@@ -319,7 +371,7 @@ class RoundRunner:
         if self.layout.client_parallel == "vmap":
             finals = self._personal.run_all(state, None, data, everyone, key, self.place)
         else:
-            finals = self._stack(self._personal.run_each(state, None, data, everyone, key, self.place))
+            finals = self._stack(self._personal.run_each(state, None, data, everyone, key, self.place, self.spread))
         return self._personal_models(state, finals.params)
 
 

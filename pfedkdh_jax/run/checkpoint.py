@@ -23,7 +23,8 @@ import numpy as np
 
 PREFIX = "round_"
 # Settings that may differ between the run that wrote a checkpoint and the one resuming it.
-_NOT_FINGERPRINTED = ("out", "data_dir", "cache_dir", "rounds", "eval_chunk")
+# client_devices: the same compiled code on other devices of the host (the same numbers)
+_NOT_FINGERPRINTED = ("out", "data_dir", "cache_dir", "rounds", "eval_chunk", "client_devices")
 
 
 class CheckpointError(RuntimeError):

@@ -51,6 +51,8 @@ _FLAGS = [
     ("--chunk-steps", "chunk_steps", int, "local steps per compiled chunk when unrolled"),
     ("--lanes", "lanes", int, "pack each round's (repetition, client) local work into this many lanes "
                               "(needs --client-parallel vmap --step-loop scan; default: off)"),
+    ("--client-devices", "client_devices", int, "spread sequential clients over this many local devices "
+                                                "(default: all; the CLI makes one XLA:CPU device per core, up to 2)"),
     ("--eval-chunk", "eval_chunk", int, "samples per feature chunk in evaluation"),
     ("--divergence-loss", "divergence_loss", float, "stop when a local loss exceeds this (0: only non-finite)"),
     ("--checkpoint-every", "checkpoint_every", int, "save the whole state every N rounds and at the end (0: off)"),
@@ -161,6 +163,7 @@ def load_config_file(path: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _request_devices(args)
     if args.command == "resume":
         return _resume(args)
     if args.command == "report":
@@ -184,6 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"pfedkdh: error: {e}", file=sys.stderr)
         return 2
+
+
+def _request_devices(args) -> None:
+    """One XLA:CPU device per core (up to 2, or --client-devices), before JAX starts its backends:
+    sequential clients are spread over them (engine/layout.py). The user's XLA_FLAGS win."""
+    if args.command not in ("run", "sweep", "resume"):
+        return
+    from pfedkdh_jax.engine.cpu_devices import CPU_DEVICES_DEFAULT_MAX, request_cpu_devices
+    n = getattr(args, "client_devices", None)
+    request_cpu_devices(max(n, CPU_DEVICES_DEFAULT_MAX) if n else None)
 
 
 def _field_type(field: str):

@@ -74,6 +74,8 @@ class RunConfig:
     step_loop: str | None = None       # scan | unrolled
     chunk_steps: int = 8               # local steps per compiled chunk (step_loop = unrolled)
     lanes: int | None = None           # pack each round's local work into this many lanes (vmap + scan)
+    client_devices: int | None = None  # sequential clients spread over this many local devices (None: all;
+                                       # the CLI makes one XLA:CPU device per core, up to 2)
     eval_chunk: int = 2048             # samples per feature chunk in evaluation
     # --- run management
     checkpoint_every: int = 5          # save the whole state every N rounds and at the end (0 = off)
@@ -180,6 +182,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.step_loop in (None, "scan", "unrolled"),
            f"--step-loop must be scan or unrolled; got {cfg.step_loop!r}")
     _check(cfg.chunk_steps >= 1, f"--chunk-steps must be >= 1; got {cfg.chunk_steps}")
+    _check(cfg.client_devices is None or cfg.client_devices >= 1,
+           f"--client-devices must be >= 1; got {cfg.client_devices}")
     _check(cfg.lanes is None or cfg.lanes >= 1, f"--lanes must be >= 1; got {cfg.lanes}")
     _check(cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0; got {cfg.checkpoint_every}")
     _check(cfg.divergence_loss >= 0, f"--divergence-loss must be >= 0; got {cfg.divergence_loss}")

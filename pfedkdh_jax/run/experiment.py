@@ -189,8 +189,14 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
     runner_data = data if batched else member_data[0]
     preflight.check(dataclasses.replace(cfg, reps=len(members)), algo, runner_data, layout, batched)
     # Auto axes: XLA's sharding propagation places everything from the inputs' shardings.
-    mesh = (jax.make_mesh((jax.device_count(),), ("devices",), axis_types=(jax.sharding.AxisType.Auto,))
-            if jax.device_count() > 1 else None)
+    # A mesh takes the devices where it splits work evenly: the repetition axis, or the clients of a
+    # one-call round (otherwise every device would compute everything); sequential clients of a lone
+    # run are spread over the devices instead (Layout.client_devices).
+    n_dev = jax.device_count()
+    fused = (layout.client_parallel, layout.step_loop) == ("vmap", "scan")
+    splits = len(members) % n_dev == 0 if batched else fused and cfg.clients_per_round % n_dev == 0
+    mesh = (jax.make_mesh((n_dev,), ("devices",), axis_types=(jax.sharding.AxisType.Auto,))
+            if n_dev > 1 and splits else None)
     if mesh is not None:
         put = lambda d: jax.device_put(d, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))  # noqa: E731
         data, member_data = put(data), [put(d) for d in member_data]
@@ -199,6 +205,11 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
     # One runner (per phase of the method) for all groups: sequential repetitions reuse the same
     # compiled functions.
     runner = PhasedRunner(algo, runner_data, layout, reps=len(members) if batched else None, mesh=mesh)
+    spread = runner.runners[0].spread
+    if spread is not None or mesh is not None:
+        log(f"{len(spread.devices) if spread else n_dev} {jax.default_backend()} devices: "
+            + ("sequential clients spread over them" if spread else
+               "repetitions split over them" if batched else "each round's clients split over them"))
     groups, states = [], []
     for group in ([list(range(len(members)))] if batched else [[m] for m in range(len(members))]):
         ks = [streams(members[m][1]) for m in group]
@@ -369,7 +380,10 @@ def _make_dir(path: str) -> None:
 def engine_layout(cfg: RunConfig) -> Layout:
     """The run's resolved layout; a layout that cannot be (``--lanes`` without vmap + scan) is one
     line (ConfigError)."""
-    layout = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps).resolved()
+    try:
+        layout = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps, client_devices=cfg.client_devices).resolved()
+    except ValueError as e:   # --client-devices beyond the local devices, or without sequential clients
+        raise ConfigError(f"--client-devices: {e}") from None
     try:
         return dataclasses.replace(layout, lanes=cfg.lanes).resolved()
     except ValueError:   # validate() checked --lanes >= 1: the layout is what cannot take lanes
