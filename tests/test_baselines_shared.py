@@ -288,7 +288,8 @@ def test_fedrep_phases_are_the_same_in_the_fused_form(tiny, trained):
         state, m = runner.round(state, data, sel, jax.random.key(100 + r))
     # float32 round-off of a different op order (scan + cond vs unrolled + where) only
     assert_tree_close(state, states[-1], rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(m["train_loss"], metrics[-1]["train_loss"], rtol=1e-5)
+    # (on CPU YNNPACK takes the unrolled form's plain dots, not the fused form's batched ones)
+    np.testing.assert_allclose(m["train_loss"], metrics[-1]["train_loss"], rtol=5e-5)
     assert dict(runner.traces) == {"round": 1}
 
 
