@@ -125,8 +125,8 @@ def main() -> None:
     ap.add_argument("--only", choices=("torch", "jax"), default=None)
     ap.add_argument("--write", default=None, help="append the markdown table (and JSON) here")
     args = ap.parse_args()
-    from pfedkdh_jax.engine.cpu_devices import CPU_DEVICES_DEFAULT_MAX, request_cpu_devices
-    request_cpu_devices(max(args.client_devices, CPU_DEVICES_DEFAULT_MAX) if args.client_devices else None)
+    from pfedkdh_jax.engine.cpu_devices import request_for_client_devices
+    request_for_client_devices(args.client_devices)
 
     from pfedkdh_jax.run.config import make_config
     from pfedkdh_jax.run.experiment import prepare_data

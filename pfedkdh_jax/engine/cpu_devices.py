@@ -34,3 +34,9 @@ def request_cpu_devices(n: int | None = None) -> int | None:
         n = max(1, min(cores, CPU_DEVICES_DEFAULT_MAX))
     os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={n}".strip()
     return n
+
+
+def request_for_client_devices(client_devices: int | None) -> int | None:
+    """:func:`request_cpu_devices` for a run's ``--client-devices``: at least that many host devices and
+    at least the default (a smaller ``client_devices`` uses only some of them)."""
+    return request_cpu_devices(max(client_devices, CPU_DEVICES_DEFAULT_MAX) if client_devices else None)

@@ -118,10 +118,11 @@ class _ClientCalls:
             cached = self._sizes[id(data.train_n)] = (data.train_n, np.asarray(data.train_n))
         return cached[1]
 
-    def _drive(self, start, train, step, finish, state, ctx, data, sel, clients, key):
-        """One plan for both layouts: start, the chunks, the single tail steps, finish."""
+    def _drive(self, start, train, step, finish, state, ctx, data, sel, clients, key, plan=None):
+        """One plan for both layouts: start, the chunks, the single tail steps, finish (``plan``: the
+        (chunk calls, single steps) of ``clients``, if already counted)."""
         local = start(state, data, sel, key)
-        chunks, steps = self.calls(clients, data)
+        chunks, steps = plan or self.calls(clients, data)
         for _ in range(chunks):
             local = train(local, ctx, data, sel)
         for _ in range(steps):
@@ -139,21 +140,21 @@ class _ClientCalls:
         """Every one of ``clients`` one after another (one per repetition at a time with ``[R, C]``);
         with ``spread``, one after another on each of its devices (results on the first)."""
         clients = np.asarray(clients)
-        drive = lambda st, cx, dt, sel, c, k: self._drive(  # noqa: E731
-            self.start_one, self.train_one, self.step_one, self.finish_one, st, cx, dt, sel, c, k)
+        drive = lambda st, cx, dt, sel, c, k, plan=None: self._drive(  # noqa: E731
+            self.start_one, self.train_one, self.step_one, self.finish_one, st, cx, dt, sel, c, k, plan)
         cols = range(clients.shape[-1])
         if spread is None:
             return [drive(state, ctx, data, place(jnp.asarray(clients[..., c], jnp.int32)), clients[..., c], key)
                     for c in cols]
-        steps = [(lambda q, r: q * self.layout.chunk_steps + r)(*self.calls(clients[..., c], data)) for c in cols]
-        where, order = spread.assign(steps)
+        plans = [self.calls(clients[..., c], data) for c in cols]
+        where, order = spread.assign([q * self.layout.chunk_steps + r for q, r in plans])
         copies = spread.copies(state, ctx, key)
         datas = spread.data_on(data)
-        outs = [None] * len(steps)
+        outs = [None] * len(plans)
         for c in order:   # longest first; each device's calls queue up behind one another
             i = where[c]
-            sel = jax.device_put(np.asarray(clients[..., c], np.int32), spread.devices[i])
-            outs[c] = drive(*copies[i][:2], datas[i], sel, clients[..., c], copies[i][2])
+            (st, cx, k), sel = copies[i], jax.device_put(np.asarray(clients[..., c], np.int32), spread.devices[i])
+            outs[c] = drive(st, cx, datas[i], sel, clients[..., c], k, plans[c])
         return [o if where[c] == 0 else jax.device_put(o, spread.devices[0]) for c, o in enumerate(outs)]
 
 

@@ -194,9 +194,8 @@ def _request_devices(args) -> None:
     sequential clients are spread over them (engine/layout.py). The user's XLA_FLAGS win."""
     if args.command not in ("run", "sweep", "resume"):
         return
-    from pfedkdh_jax.engine.cpu_devices import CPU_DEVICES_DEFAULT_MAX, request_cpu_devices
-    n = getattr(args, "client_devices", None)
-    request_cpu_devices(max(n, CPU_DEVICES_DEFAULT_MAX) if n else None)
+    from pfedkdh_jax.engine.cpu_devices import request_for_client_devices
+    request_for_client_devices(getattr(args, "client_devices", None))
 
 
 def _field_type(field: str):
