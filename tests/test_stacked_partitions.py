@@ -222,8 +222,8 @@ def test_a_stacked_point_resumes_alone(tmp_path):
 def test_run_stacked_refuses_runs_that_do_not_stack(tmp_path):
     base = dict(dataset="digits", rounds=2, num_clients=4, aux_size=100, local_epochs=1)
     a = make_config("default", **base, method="fedper", alpha=0.5, out=str(tmp_path / "a"))
-    with pytest.raises(ConfigError, match="differ only in alpha, data_seed, out; .* also differs in lr"):
-        run_stacked([a, dataclasses.replace(a, lr=0.1, out=str(tmp_path / "b"))], log=lambda m: None)
+    with pytest.raises(ConfigError, match="differ only in alpha, data_seed, out, lr; .* also differs in local_epochs"):
+        run_stacked([a, dataclasses.replace(a, local_epochs=2, out=str(tmp_path / "b"))], log=lambda m: None)
     with pytest.raises(ConfigError, match="one --out each"):
         run_stacked([a, dataclasses.replace(a, alpha=1.0)], log=lambda m: None)
     f = make_config("default", **{**base, "rounds": 3}, method="fedfed", method_args=(("feature_rounds", "1"),),

@@ -49,6 +49,10 @@ class MethodSpec:
     # whether its runs on other partitions of one pool stack into one program (run_stacked): its
     # state's and round's shapes do not depend on the partition beyond the padded tables
     stackable: bool = True
+    # RunConfig fields (plain numbers, read only in arithmetic, of the same name in the method's
+    # config) that stacked runs may differ in: each run's algorithm is rebuilt from its own values
+    # inside the one program (Algorithm.with_hparams)
+    traced: tuple[str, ...] = ("lr",)
 
 
 def _positive(v) -> bool:
@@ -70,7 +74,7 @@ PFEDKDH_OPTIONS = ("lam", "temperature", "mu", "teacher_epochs", "teacher_warm_s
 
 METHODS: dict[str, MethodSpec] = {
     "pfedkdh": MethodSpec(_module("pfedkdh"), {}, "pFedKDH (its options are run flags: --lam, --kd-target, ...)",
-                          run_options=PFEDKDH_OPTIONS),
+                          run_options=PFEDKDH_OPTIONS, traced=("lr", "lam", "temperature", "mu")),
     # Baselines (method.md §5); defaults and their sources are in each module's docstring.
     "fedavg": MethodSpec(_module("fedavg"), {}, "FedAvg (McMahan et al. 2017), global model",
                          table_metric="global_macro_accuracy"),
@@ -116,7 +120,7 @@ METHODS: dict[str, MethodSpec] = {
         run_check=lambda a, cfg: (None if a["feature_rounds"] < cfg.rounds else
                                   f"--method-arg feature_rounds must be below --rounds {cfg.rounds} for fedfed "
                                   f"(phase A's rounds count in the run's); got {a['feature_rounds']}"),
-        table_metric="global_macro_accuracy", stackable=False),   # the pool's size is the partition's
+        table_metric="global_macro_accuracy", stackable=False, traced=()),   # the pool's size is the partition's
 }
 
 

@@ -23,6 +23,8 @@ piece                  what it is                                               
                        receives and sends in a round (counted in bytes, never transferred)
 ``phases``             consecutive phases of rounds, each run by an algorithm of its own   one: itself
                        on the same state (:class:`Phase`; FedFed's two phases)
+``with_hparams``       ``(values) -> Algorithm``: the method with some config fields       ``config``
+                       replaced by traced scalars (stacked runs of other values)           replaced
 =====================  ==================================================================  ============
 
 Leading axes: per-client pytrees in the state are ``[K, ...]``; ``updates`` and the selected clients'
@@ -179,6 +181,15 @@ class Algorithm:
     @property
     def personalization(self) -> Personalization | None:
         return None
+
+    # ------------------------------------------------------------------------ stacked values
+    def with_hparams(self, values: dict) -> "Algorithm":
+        """This algorithm with the config fields ``values`` replaced, inside a trace: runs stacked
+        along the repetition axis that differ in plain-number hyperparameters (the method's
+        ``MethodSpec.traced`` fields) each rebuild their algorithm from their own traced scalars. A
+        method may read such a field only in arithmetic (no Python ``if`` on it: see
+        :func:`~pfedkdh_jax.algorithms.common.may_be_nonzero`). Default: ``self.config`` replaced."""
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, **values))
 
     # ---------------------------------------------------------------------------------- phases
     @property

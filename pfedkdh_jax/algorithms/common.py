@@ -36,6 +36,13 @@ class LocalConfig:
     local_epochs: int = 2      # E
 
 
+def may_be_nonzero(value) -> bool:
+    """Whether a term weighted by hyperparameter ``value`` must be computed: a Python number only if
+    it is non-zero; a traced value (runs of several values stacked into one program) always, its
+    weight making the term vanish where it is 0."""
+    return not isinstance(value, (int, float)) or value != 0
+
+
 def local_config(cfg) -> dict:
     """The shared budget's fields from a :class:`~pfedkdh_jax.run.config.RunConfig`."""
     return dict(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs)

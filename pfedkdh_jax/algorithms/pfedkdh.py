@@ -159,7 +159,7 @@ class PFedKDH(Algorithm):
     @property
     def class_aware(self) -> bool:
         """Whether the local objective reads the client's own label distribution."""
-        return self.config.lam > 0 and self.config.kd_target != "plain"
+        return self.config.kd_target != "plain" and C.may_be_nonzero(self.config.lam)
 
     @property
     def trainer(self) -> LocalTrainer:
@@ -183,14 +183,14 @@ class PFedKDH(Algorithm):
         c = self.config
         logits = self.model.logits(params, x, rng=rng)
         ce = losses.cross_entropy(logits, y)
-        if c.lam > 0:
+        if C.may_be_nonzero(c.lam):
             teacher = self.model.logits({"backbone": ctx["backbone"], "head": ctx["teacher_head"]}, x)
             kd, trust = self.transfer(logits, teacher, y, ctx.get("labels"))
             lam = c.lam * trust
             loss = losses.masked_mean((1.0 - lam) * ce + lam * kd, mask)
         else:
             loss = losses.masked_mean(ce, mask)
-        if c.mu > 0:
+        if C.may_be_nonzero(c.mu):
             loss = loss + losses.proximal(params["backbone"], ctx["backbone"], c.mu)
         return loss
 

@@ -76,27 +76,38 @@ def _flat(tree, lead: int):
 class PackedRound:
     """A round of R stacked runs with the selected clients' local work packed into lanes.
 
-    ``(states [R], data, selected [R, C], keys [R]) -> (states [R], metrics [R])``, pure and
-    un-jitted; with ``R = 1`` it is one run's round with a leading axis of one.
+    ``(states [R], data, selected [R, C], keys [R], hparams=None) -> (states [R], metrics [R])``, pure
+    and un-jitted; with ``R = 1`` it is one run's round with a leading axis of one. ``hparams``
+    (``{field: [R]}``) are the runs' own plain-number hyperparameters, when they differ: each run's
+    pieces, and each lane's step, use the algorithm of the run it works for (``algo.with_hparams``).
     """
 
     algo: Algorithm
     layout: Layout
 
+    def algo_of(self, hp) -> Algorithm:
+        """The algorithm of a run with hyperparameter values ``hp`` (``None``: the shared one)."""
+        return self.algo if hp is None else self.algo.with_hparams(hp)
+
+    def problem_of(self, hp) -> LocalProblem:
+        return RoundPieces(self.algo_of(hp), self.layout).problem
+
     @property
     def problem(self) -> LocalProblem:
-        return RoundPieces(self.algo, self.layout).problem
+        return self.problem_of(None)
 
-    def local_work(self, states, data: FederatedData, selected: jax.Array, keys: jax.Array):
+    def local_work(self, states, data: FederatedData, selected: jax.Array, keys: jax.Array, hparams=None):
         """Every job's final local state ``[R, C, ...]`` and the packing's ``(useful, computed)`` steps."""
-        p, lanes = self.problem, self.layout.lanes
-        trainer = p.trainer
+        lanes = self.layout.lanes
+        trainer = self.problem.trainer   # step counts and gates only: no hyperparameter value
         runs, per_run = selected.shape
         jobs = runs * per_run
-        ctx = jax.vmap(self.algo.context)(states)
+        ctx = jax.vmap(lambda s, h: self.algo_of(h).context(s))(states, hparams)
         d = data_axes(data)   # stacked partitions: each run's clients in its own tables
-        start_run = jax.vmap(p.start, in_axes=(None, None, 0, None))
-        local = _flat(jax.vmap(start_run, in_axes=(0, d, 0, 0))(states, data, selected, keys), jobs)
+
+        def start_run(s, dt, sel, k, h):
+            return jax.vmap(self.problem_of(h).start, in_axes=(None, None, 0, None))(s, dt, sel, k)
+        local = _flat(jax.vmap(start_run, in_axes=(0, d, 0, 0, 0))(states, data, selected, keys, hparams), jobs)
         steps = trainer.num_steps(local.n).astype(jnp.int32)
         lane, begin, loads = pack_jobs(steps, lanes)
         # the idle slot: a copy of job 0 with no samples (its steps are no-ops)
@@ -105,21 +116,21 @@ class PackedRound:
         run_of = jnp.append(jnp.arange(jobs) // per_run, 0)
         client_of = jnp.append(selected.reshape(-1), selected[0, 0])
 
-        def one(s, c, row):
-            return trainer.step(s, c, row, data, gate="cond")
+        def one(s, c, row, h):
+            return self.problem_of(h).trainer.step(s, c, row, data, gate="cond")
 
         def body(carry):
             t, stack = carry
             slot = lane_slots(lane, begin, steps, lanes, t)
             held = jax.tree_util.tree_map(lambda a: a[slot], stack)
-            c = jax.tree_util.tree_map(lambda a: a[run_of[slot]], ctx)
+            c, h = jax.tree_util.tree_map(lambda a: a[run_of[slot]], (ctx, hparams))
             if held.row is not None:
                 rows = held.row
             elif data.stacked:
                 rows = data.train_idx[run_of[slot], client_of[slot]]
             else:
                 rows = data.train_idx[client_of[slot]]
-            new = jax.vmap(one)(held, c, rows)
+            new = jax.vmap(one)(held, c, rows, h)
             # only what a step changes goes back (the orders, keys, sizes and rows are read-only)
             put = lambda a, b: a.at[slot].set(b)
             return t + 1, stack.replace(**{f: jax.tree_util.tree_map(put, getattr(stack, f), getattr(new, f))
@@ -130,19 +141,22 @@ class PackedRound:
         done = jax.tree_util.tree_map(lambda a: a[:jobs].reshape((runs, per_run) + a.shape[1:]), stack)
         return done, (steps.sum(), lanes * longest)
 
-    def updates(self, states, data: FederatedData, selected: jax.Array, keys: jax.Array):
+    def updates(self, states, data: FederatedData, selected: jax.Array, keys: jax.Array, hparams=None):
         """Every job's :class:`ClientUpdate` ``[R, C, ...]`` and the packing's step counts."""
-        local, counts = self.local_work(states, data, selected, keys)
-        finish = self.problem.finish
-        if finish is None:
+        local, counts = self.local_work(states, data, selected, keys, hparams)
+        if self.problem.finish is None:
             return local, counts
-        per_client = jax.vmap(finish, in_axes=(None, None, 0, 0, None))
-        return jax.vmap(per_client, in_axes=(0, data_axes(data), 0, 0, 0))(states, data, selected, local, keys), counts
 
-    def __call__(self, states, data: FederatedData, selected: jax.Array, keys: jax.Array):
-        updates, (useful, computed) = self.updates(states, data, selected, keys)
-        states, metrics = jax.vmap(self.algo.server_update, in_axes=(0, data_axes(data), 0, 0, 0))(
-            states, data, selected, updates, keys)
+        def finish_run(s, dt, sel, loc, k, h):
+            return jax.vmap(self.problem_of(h).finish, in_axes=(None, None, 0, 0, None))(s, dt, sel, loc, k)
+        return jax.vmap(finish_run, in_axes=(0, data_axes(data), 0, 0, 0, 0))(
+            states, data, selected, local, keys, hparams), counts
+
+    def __call__(self, states, data: FederatedData, selected: jax.Array, keys: jax.Array, hparams=None):
+        updates, (useful, computed) = self.updates(states, data, selected, keys, hparams)
+        states, metrics = jax.vmap(lambda s, dt, sel, u, k, h: self.algo_of(h).server_update(s, dt, sel, u, k),
+                                   in_axes=(0, data_axes(data), 0, 0, 0, 0))(
+            states, data, selected, updates, keys, hparams)
         runs = selected.shape[0]
         metrics = dict(metrics, packing_useful_steps=jnp.broadcast_to(useful, (runs,)),
                        packing_computed_steps=jnp.broadcast_to(computed, (runs,)))

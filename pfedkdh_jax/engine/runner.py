@@ -29,6 +29,7 @@ runner per phase of a method of several phases (FedFed) and enters each phase at
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any
 
 import jax
@@ -61,40 +62,45 @@ class _ClientCalls:
     ``prefix`` tells the round's problem ("") from a personalization's in ``traces``.
     """
 
-    def __init__(self, compiled, layout: Layout, problem: LocalProblem, max_size: int, prefix: str,
-                 d=None):
-        # max_size: the largest client (static step count of a scan); d: the data's repetition in_axes
-        self.layout, self.problem = layout, problem
+    def __init__(self, compiled, layout: Layout, problem_of, host_problem: LocalProblem, max_size: int,
+                 prefix: str, d=None):
+        # problem_of(algo) -> the LocalProblem (rebuilt inside a trace with stacked hyperparameters);
+        # host_problem: the one the host counts steps with; max_size: the largest client (static step
+        # count of a scan); d: the data's repetition in_axes
+        self.layout, self.problem = layout, host_problem
         self._sizes: dict[int, tuple] = {}   # id(train_n) -> (train_n, its host copy)
-        self.max_steps = int(problem.trainer.num_steps(problem.size(max_size)))
-        train, finish = problem.train, problem.finish
-        vstart = jax.vmap(problem.start, in_axes=(None, None, 0, None))
-        vtrain = jax.vmap(train, in_axes=(0, None, None, 0, None))
-        self.start_one = compiled(f"{prefix}client_start", problem.start, (0, d, 0, 0))
-        self.start_all = compiled(f"{prefix}client_start_vmap", vstart, (0, d, 0, 0))
+        self.max_steps = int(host_problem.trainer.num_steps(host_problem.size(max_size)))
+
+        def train_of(n, vmapped=False):   # n steps of one client (or of every client, vmapped)
+            def make(a):
+                train = problem_of(a).train
+                if vmapped:
+                    train = jax.vmap(train, in_axes=(0, None, None, 0, None))
+                return lambda s, c, dt, k: train(s, c, dt, k, n)
+            return make
+
+        self.start_one = compiled(f"{prefix}client_start", lambda a: problem_of(a).start, (0, d, 0, 0))
+        self.start_all = compiled(f"{prefix}client_start_vmap",
+                                  lambda a: jax.vmap(problem_of(a).start, in_axes=(None, None, 0, None)),
+                                  (0, d, 0, 0))
         ctx_axes = (0, 0, d, 0)
         if layout.step_loop == "scan":
             m = self.max_steps
-            self.train_one = compiled(f"{prefix}train_scan", lambda s, c, d, k: train(s, c, d, k, m),
-                                      ctx_axes, steps=True)
-            self.train_all = compiled(f"{prefix}train_scan_vmap", lambda s, c, d, k: vtrain(s, c, d, k, m),
-                                      ctx_axes, steps=True)
+            self.train_one = compiled(f"{prefix}train_scan", train_of(m), ctx_axes, steps=True)
+            self.train_all = compiled(f"{prefix}train_scan_vmap", train_of(m, True), ctx_axes, steps=True)
             self.step_one = self.step_all = None   # one scan call takes every step: no tail steps
         else:
             n = layout.chunk_steps
-            self.train_one = compiled(f"{prefix}train_chunk", lambda s, c, d, k: train(s, c, d, k, n),
-                                      ctx_axes, steps=True)
-            self.train_all = compiled(f"{prefix}train_chunk_vmap", lambda s, c, d, k: vtrain(s, c, d, k, n),
-                                      ctx_axes, steps=True)
+            self.train_one = compiled(f"{prefix}train_chunk", train_of(n), ctx_axes, steps=True)
+            self.train_all = compiled(f"{prefix}train_chunk_vmap", train_of(n, True), ctx_axes, steps=True)
             # a client's last (steps mod chunk) steps, one at a time: no chunk computes idle steps
-            self.step_one = compiled(f"{prefix}train_step", lambda s, c, d, k: train(s, c, d, k, 1),
-                                     ctx_axes, steps=True)
-            self.step_all = compiled(f"{prefix}train_step_vmap", lambda s, c, d, k: vtrain(s, c, d, k, 1),
-                                     ctx_axes, steps=True)
-        if finish is not None:
-            self.finish_one = compiled(f"{prefix}client_finish", finish, (0, d, 0, 0, 0))
-            self.finish_all = compiled(f"{prefix}client_finish_vmap",
-                                       jax.vmap(finish, in_axes=(None, None, 0, 0, None)), (0, d, 0, 0, 0))
+            self.step_one = compiled(f"{prefix}train_step", train_of(1), ctx_axes, steps=True)
+            self.step_all = compiled(f"{prefix}train_step_vmap", train_of(1, True), ctx_axes, steps=True)
+        if host_problem.finish is not None:
+            self.finish_one = compiled(f"{prefix}client_finish", lambda a: problem_of(a).finish, (0, d, 0, 0, 0))
+            self.finish_all = compiled(
+                f"{prefix}client_finish_vmap",
+                lambda a: jax.vmap(problem_of(a).finish, in_axes=(None, None, 0, 0, None)), (0, d, 0, 0, 0))
         else:
             self.finish_one = self.finish_all = None   # the local states are the result
 
@@ -194,8 +200,15 @@ class RoundRunner:
     """Compiled round and evaluation pieces of one algorithm on one data layout (module docstring)."""
 
     def __init__(self, algo: Algorithm, data: FederatedData, layout: Layout = Layout(), *,
-                 reps: int | None = None, mesh: jax.sharding.Mesh | None = None):
+                 reps: int | None = None, mesh: jax.sharding.Mesh | None = None,
+                 hparams: dict | None = None):
+        # hparams: {field: [R] values} of repetitions that differ in plain-number hyperparameters
+        # (stacked runs): every piece then rebuilds the algorithm inside its trace from its
+        # repetition's values (``algo.with_hparams``), so one program serves them all
         self.algo, self.reps, self.mesh = algo, reps, mesh
+        if hparams is not None and reps is None:
+            raise ValueError("hparams are per repetition: they need reps")
+        self.hparams = hparams
         self.layout = layout.resolved()
         self.round_fn = make_round(algo, self.layout)
         self.evaluate_fn = make_evaluate(algo, self.layout)
@@ -214,60 +227,71 @@ class RoundRunner:
         self.spread = (_Spread(jax.local_devices()[:n]) if n > 1 and not multi
                        and self.layout.client_parallel == "sequential" else None)
         train_options = local_training_compiler_options()
+        layout = self.layout
 
-        def compiled(name, fn, axes, steps=False):
-            """``fn`` jitted (and vmapped over repetitions, ``axes`` saying which arguments carry the
-            axis); pieces that take local SGD steps compile with the local-training options."""
+        def compiled(name, make, axes, steps=False):
+            """``make(algo)`` jitted (and vmapped over repetitions, ``axes`` saying which arguments
+            carry the axis; with ``hparams`` each repetition's algorithm is rebuilt from its values);
+            pieces that take local SGD steps compile with the local-training options."""
+            if hparams is None:
+                fn, in_axes = make(algo), axes
+            else:
+                fn, in_axes = (lambda hp, *args: make(algo.with_hparams(hp))(*args)), (0, *axes)
             if reps is not None:
-                fn = jax.vmap(fn, in_axes=axes)
+                fn = jax.vmap(fn, in_axes=in_axes)
                 if self.rep_sharding is not None:
-                    fn = per_device(fn, mesh, axes)
+                    fn = per_device(fn, mesh, in_axes)
 
             def wrapper(*args):
                 self.traces[name] += 1
                 return fn(*args)
-            return jax.jit(wrapper, compiler_options=train_options if steps else None)
+            jitted = jax.jit(wrapper, compiler_options=train_options if steps else None)
+            return jitted if hparams is None else functools.partial(jitted, self.place(hparams))
 
         # --- rounds
-        rf = self.round_fn
-        self._clients = _ClientCalls(compiled, self.layout, rf.problem, largest, "", d)
-        self._context = compiled("context", algo.context, (0,))
-        self._server = compiled("server_update", algo.server_update, (0, d, 0, 0, 0))
+        self._clients = _ClientCalls(compiled, layout, lambda a: make_round(a, layout).problem,
+                                     self.round_fn.problem, largest, "", d)
+        self._context = compiled("context", lambda a: a.context, (0,))
+        self._server = compiled("server_update", lambda a: a.server_update, (0, d, 0, 0, 0))
         self._stack = jax.jit(lambda xs: tree_stack(xs, axis=0 if reps is None else 1))
 
-        def fused(state, data, selected, key):
-            updates = rf.updates
-            if shard_clients and selected.shape[0] % mesh.size == 0:
-                updates = per_device(updates, mesh, (None, None, 0, None))
-            return algo.server_update(state, data, selected, updates(state, data, selected, key), key)
-        if self.layout.lanes is None:
+        def fused(a):
+            def round_(state, data, selected, key):
+                updates = make_round(a, layout).updates
+                if shard_clients and selected.shape[0] % mesh.size == 0:
+                    updates = per_device(updates, mesh, (None, None, 0, None))
+                return a.server_update(state, data, selected, updates(state, data, selected, key), key)
+            return round_
+        if layout.lanes is None:
             self._fused = compiled("round", fused, (0, d, 0, 0), steps=True)
         else:
             self._fused = self._packed(algo, reps, multi, train_options)
 
         # --- evaluation
-        ev, model = self.evaluate_fn, algo.model
-        self.models = compiled("eval_models", algo.eval_models, (0,))
+        model = algo.model
+        ev = lambda name: lambda a: getattr(make_evaluate(a, layout), name)  # noqa: E731
+        self.models = compiled("eval_models", lambda a: a.eval_models, (0,))
         idx = None if d is None else 0   # flat index lists come from the data: stacked with it
         self._features_chunk = compiled(
-            "features_chunk", lambda b, data, i: scoring.features_of(model, b, data, i), (0, d, idx))
-        self._features_scan = compiled("features_scan", ev.features, (0, d, idx))
+            "features_chunk", lambda a: lambda b, data, i: scoring.features_of(model, b, data, i), (0, d, idx))
+        self._features_scan = compiled("features_scan", ev("features"), (0, d, idx))
         self._owned_chunk = compiled(
             "owned_features_chunk",
-            lambda b, data, g: scoring.owned_features_of(model, b, data, data.owned_chunk[g], data.owned_idx[g]),
+            lambda a: lambda b, data, g: scoring.owned_features_of(model, b, data, data.owned_chunk[g],
+                                                                   data.owned_idx[g]),
             (0, d, None))
-        self._owned_scan = compiled("owned_features_scan", ev.owned_features, (0, d))
-        self.score = compiled("score", ev.score, (0, 0, d))
-        self.score_global_model = compiled("score_global", ev.score_global_model, (0, 0, d))
-        self.score_personal = compiled("score_personalized", ev.score, (0, 0, d))
+        self._owned_scan = compiled("owned_features_scan", ev("owned_features"), (0, d))
+        self.score = compiled("score", ev("score"), (0, 0, d))
+        self.score_global_model = compiled("score_global", ev("score_global_model"), (0, 0, d))
+        self.score_personal = compiled("score_personalized", ev("score"), (0, 0, d))
         p = algo.personalization
         if p is not None and p.on_features:
-            self.adapted_on_features = compiled("personalize_on_features", ev.adapted_on_features, (0, d, 0, 0))
+            self.adapted_on_features = compiled("personalize_on_features", ev("adapted_on_features"), (0, d, 0, 0))
         elif p is not None:
-            self._personal = _ClientCalls(compiled, self.layout, image_problem(p, self.layout.step_loop),
-                                          largest, "personalize_", d)
-            self._personal_models = compiled("personalized_models", p.models, (0, 0))
-            self._personal_fused = compiled("personalize", ev.adapted_on_images, (0, d, 0), steps=True)
+            self._personal = _ClientCalls(compiled, layout, lambda a: image_problem(a.personalization, layout.step_loop),
+                                          image_problem(p, layout.step_loop), largest, "personalize_", d)
+            self._personal_models = compiled("personalized_models", lambda a: a.personalization.models, (0, 0))
+            self._personal_fused = compiled("personalize", ev("adapted_on_images"), (0, d, 0), steps=True)
 
     def _packed(self, algo, reps, multi, options):
         """The one-call round with the local work of all repetitions packed into lanes."""
@@ -275,14 +299,16 @@ class RoundRunner:
             raise ValueError("lanes packs a round's work on one device: run it without a device mesh "
                              "(one visible device)")
         packed = make_packed_round(algo, self.layout)
+        hp = self.hparams
 
-        def round_(state, data, selected, key):
+        def round_(state, data, selected, key, hp):
             self.traces["round"] += 1
             if reps is not None:
-                return packed(state, data, selected, key)
+                return packed(state, data, selected, key, hp)
             lead = jax.tree_util.tree_map(lambda a: a[None], (state, selected, key))
             return jax.tree_util.tree_map(lambda a: a[0], packed(lead[0], data, lead[1], lead[2]))
-        return jax.jit(round_, compiler_options=options)
+        jitted = jax.jit(round_, compiler_options=options)
+        return lambda state, data, selected, key: jitted(state, data, selected, key, hp)
 
     @property
     def fused(self) -> bool:
@@ -305,10 +331,11 @@ class RoundRunner:
             updates = self._stack(self._clients.run_each(state, ctx, data, selected, key, self.place, self.spread))
         return self._server(state, data, sel, updates, key)
 
-    def prepare(self, state, data: FederatedData, key: jax.Array):
+    def prepare(self, state, data: FederatedData, key: jax.Array, algo: Algorithm | None = None):
         """The algorithm's ``before_training`` (one repetition's state, no repetition axis; of stacked
-        partitions, the repetition's :func:`~pfedkdh_jax.data.device.run_slice`)."""
-        return self.algo.before_training(state, data, key, self.train)
+        partitions, the repetition's :func:`~pfedkdh_jax.data.device.run_slice`); ``algo``: the
+        repetition's own (other hyperparameter values), default the runner's."""
+        return (algo or self.algo).before_training(state, data, key, self.train)
 
     def train(self, trainer: LocalTrainer, local: LocalState, ctx, row: jax.Array, source) -> LocalState:
         """Every step of one local problem, laid out as a client's round is (the service given to
@@ -385,9 +412,12 @@ class PhasedRunner:
     """
 
     def __init__(self, algo: Algorithm, data: FederatedData, layout: Layout = Layout(), *,
-                 reps: int | None = None, mesh: jax.sharding.Mesh | None = None):
+                 reps: int | None = None, mesh: jax.sharding.Mesh | None = None, hparams: dict | None = None):
         self.phases = algo.phases
-        self.runners = [RoundRunner(p.algorithm, data, layout, reps=reps, mesh=mesh) for p in self.phases]
+        if hparams is not None and len(self.phases) > 1:
+            raise ValueError("stacked hyperparameter values need a method of one phase")
+        self.runners = [RoundRunner(p.algorithm, data, layout, reps=reps, mesh=mesh, hparams=hparams)
+                        for p in self.phases]
         if any(p.rounds is None for p in self.phases[:-1]):
             raise ValueError("only the last phase may run 'every remaining round' (rounds=None)")
         self.starts = [sum(p.rounds for p in self.phases[:i]) for i in range(len(self.phases))]
@@ -418,8 +448,8 @@ class PhasedRunner:
     def place(self, tree):
         return self.runners[0].place(tree)
 
-    def prepare(self, state, data: FederatedData, key: jax.Array):
-        return self.runners[0].prepare(state, data, key)
+    def prepare(self, state, data: FederatedData, key: jax.Array, algo: Algorithm | None = None):
+        return self.runners[0].prepare(state, data, key, algo)
 
     def round(self, state, data: FederatedData, selected: np.ndarray, key: jax.Array, t: int):
         """Round ``t`` with its phase's runner (entering the phase first at its first round)."""

@@ -120,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", dest="sweep_out", default=None, help="sweep directory (default runs/sweep-<time>)")
     sw.add_argument("--no-progress", action="store_true", help="no progress bars")
     sw.add_argument("--stack", action="store_true", default=None,
-                    help="run the points that differ only in α as one program (partitions stacked along the "
-                         "repetition axis; vmapped with --reps-mode vmap); not for fedfed")
+                    help="run the points that differ only in α and in --grid values of lr (pfedkdh: also lam, "
+                         "temperature, mu) as one program (partitions and values stacked along the repetition "
+                         "axis; vmapped with --reps-mode vmap); not for fedfed")
     for flag, field, typ, hlp in _FLAGS:
         if field not in ("method", "dataset", "alpha", "out", "reps"):
             sw.add_argument(flag, dest=field, type=typ, default=None, help=hlp)

@@ -3,7 +3,8 @@
 The run directory holds ``config.json``, ``metrics.jsonl`` (one line per round, appended and flushed
 as the run goes, so nothing is lost if it is interrupted), ``summary.json`` and ``curves.png``.
 This module is the thin host layer; the numerics are the pure functions of the other modules.
-:func:`run_stacked` runs several such runs (other α values or data seeds) as one program.
+:func:`run_stacked` runs several such runs (other α values, data seeds or hyperparameter values) as
+one program.
 (Over 300 lines: one host loop serves a run and stacked runs, with their checkpoints and resume.)
 """
 
@@ -108,18 +109,28 @@ class _Group:
 
 
 def _initial_state(algo, runner: PhasedRunner, data, seed: int):
-    """Repetition ``seed``'s state before round 0: ``init``, then the algorithm's ``before_training``."""
+    """Repetition ``seed``'s state before round 0: ``init``, then ``before_training`` of ``algo`` (its
+    run's, with its own hyperparameter values)."""
     keys = streams(seed)
-    return runner.prepare(algo.init(keys["init"], data), data, keys["init"])
+    return runner.prepare(algo.init(keys["init"], data), data, keys["init"], algo=algo)
 
 
-# What runs stacked in one program may differ in: their partitions (α, data seed) and directories.
+# What runs stacked in one program may differ in: their partitions (α, data seed) and directories,
+# and the method's plain-number hyperparameters (MethodSpec.traced: lr, and pFedKDH's λ, T, μ).
 STACKABLE_FIELDS = ("alpha", "data_seed", "out")
 
 
 def stack_key(cfg: RunConfig) -> dict:
-    """The config less :data:`STACKABLE_FIELDS`: runs with equal keys can stack (:func:`run_stacked`)."""
-    return {k: v for k, v in cfg.to_dict().items() if k not in STACKABLE_FIELDS}
+    """The config less :data:`STACKABLE_FIELDS` and the method's traced hyperparameters: runs with
+    equal keys can stack (:func:`run_stacked`)."""
+    free = STACKABLE_FIELDS + algorithms.METHODS[cfg.method].traced
+    return {k: v for k, v in cfg.to_dict().items() if k not in free}
+
+
+def _varied(cfgs: list[RunConfig]) -> tuple[str, ...]:
+    """The traced hyperparameters in which stacked runs differ."""
+    return tuple(f for f in algorithms.METHODS[cfgs[0].method].traced
+                 if len({getattr(c, f) for c in cfgs}) > 1)
 
 
 def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool = False,
@@ -138,14 +149,17 @@ def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool 
 
 def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, return_state: bool = False,
                 resume: bool = False) -> list:
-    """Runs of one method on several partitions of one pool — other α values or data seeds, each with
-    its own ``out`` — as one program: every run's repetitions are repetitions of one group, vmapped
-    over stacked partitions (:func:`~pfedkdh_jax.data.device.stack_partitions`) with
-    ``reps_mode`` vmap, or one after another over the stack's slices, which share one shape and so
-    one set of compiled functions. Each run directory is written as by :func:`run` (its checkpoints
-    hold its own repetitions), and each run's numbers are those of its solo run up to float rounding.
-    Returns the summaries in the order of ``cfgs`` (with ``return_state``: one run only).
-    Round times are the stacked program's.
+    """Runs of one method on several partitions of one pool — other α values or data seeds — and with
+    other values of its plain-number hyperparameters (``MethodSpec.traced``: ``lr``, pFedKDH's
+    ``lam``, ``temperature``, ``mu``), each with its own ``out``, as one program: every run's
+    repetitions are repetitions of one group, vmapped over stacked partitions
+    (:func:`~pfedkdh_jax.data.device.stack_partitions`; one shared partition when they do not
+    differ) and over each repetition's hyperparameter values (every piece rebuilds the algorithm
+    from them inside the trace) with ``reps_mode`` vmap; or one after another over the stack's
+    slices, which share one shape and so one set of compiled functions per hyperparameter value.
+    Each run directory is written as by :func:`run` (its checkpoints hold its own repetitions), and
+    each run's numbers are those of its solo run up to float rounding. Returns the summaries in the
+    order of ``cfgs`` (with ``return_state``: one run only). Round times are the stacked program's.
     """
     if not cfgs:
         raise ConfigError("run_stacked needs at least one run")
@@ -181,7 +195,12 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
     layout = engine_layout(cfg)
     members = [(i, c.seed + r) for i, c in enumerate(cfgs) for r in range(c.reps)]
     batched = len(members) > 1 and resolved_reps_mode(cfg) == "vmap"
-    if stacked:   # one partition per repetition, padded to one shape
+    varied = _varied(cfgs)
+    # the algorithm of each run (its own hyperparameter values) and, batched, the values per repetition
+    algos = [make_algorithm(c, pool.num_classes) for c in cfgs] if varied else [algo] * len(cfgs)
+    hparams = ({f: jnp.asarray([getattr(cfgs[i], f) for i, _ in members], jnp.float32) for f in varied}
+               if varied and batched else None)
+    if len({(c.alpha, c.data_seed) for c in cfgs}) > 1:   # one partition per repetition, padded to one shape
         data = stack_partitions([datas[i] for i, _ in members])
         member_data = [run_slice(data, m) for m in range(len(members))]
     else:
@@ -203,8 +222,21 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
         runner_data = data if batched else member_data[0]
 
     # One runner (per phase of the method) for all groups: sequential repetitions reuse the same
-    # compiled functions.
-    runner = PhasedRunner(algo, runner_data, layout, reps=len(members) if batched else None, mesh=mesh)
+    # compiled functions (one set per hyperparameter value).
+    try:
+        runner = PhasedRunner(algo, runner_data, layout, reps=len(members) if batched else None, mesh=mesh,
+                              hparams=hparams)
+    except ValueError as e:   # hyperparameter values of a method of several phases
+        raise ConfigError(f"stacked runs of other {', '.join(varied)} values: {e}") from None
+    runners = [runner] * len(cfgs)
+    if varied and not batched:
+        by_values: dict[tuple, PhasedRunner] = {}
+        for i, c in enumerate(cfgs):
+            values = tuple(getattr(c, f) for f in varied)
+            if values not in by_values:
+                by_values[values] = (runner if i == 0 else
+                                     PhasedRunner(algos[i], runner_data, layout, reps=None, mesh=mesh))
+            runners[i] = by_values[values]
     spread = runner.runners[0].spread
     if spread is not None or mesh is not None:
         log(f"{len(spread.devices) if spread else n_dev} {jax.default_backend()} devices: "
@@ -214,7 +246,7 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
     for group in ([list(range(len(members)))] if batched else [[m] for m in range(len(members))]):
         ks = [streams(members[m][1]) for m in group]
         sched = [sample_schedule(k["sampling"], cfg.rounds, cfg.num_clients, cfg.clients_per_round) for k in ks]
-        st = [_initial_state(algo, runner, member_data[m], members[m][1]) for m in group]
+        st = [_initial_state(algos[members[m][0]], runner, member_data[m], members[m][1]) for m in group]
         if batched:
             keys = {name: jnp.stack([k[name] for k in ks]) for name in ks[0]}
             groups.append(_Group([members[m] for m in group], np.stack(sched), keys, True, data))
@@ -249,10 +281,11 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
         rep_rows, train_s, eval_s = [[] for _ in cfgs], 0.0, 0.0
         for g, group in enumerate(groups):
             t1 = time.perf_counter()
-            states[g], train_m = runner.round(states[g], group.data, group.selected(t), group.round_key("train", t), t)
+            runner_g = runners[group.members[0][0]]   # batched: the one runner of every run
+            states[g], train_m = runner_g.round(states[g], group.data, group.selected(t), group.round_key("train", t), t)
             jax.block_until_ready(states[g])
             t2 = time.perf_counter()
-            eval_m = (runner.evaluate(states[g], group.data, group.round_key("eval", t), t, personalize=do_ea)
+            eval_m = (runner_g.evaluate(states[g], group.data, group.round_key("eval", t), t, personalize=do_ea)
                       if do_eval else {})
             per_rep = group.split({**train_m, **eval_m})
             t3 = time.perf_counter()
@@ -271,7 +304,7 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
             for rep in rep_rows[i]:
                 problem = records.divergence(rep, c.divergence_loss)
                 if problem:
-                    summary = records.summary(c, histories[i], part_summaries[i], runner,
+                    summary = records.summary(c, histories[i], part_summaries[i], runners[i],
                                               status=f"diverged at round {t + 1}")
                     records.write_json(os.path.join(c.out, "summary.json"), summary)
                     who = f" in repetition {rep['seed'] - c.seed} (seed {rep['seed']})" if c.reps > 1 else ""
@@ -285,7 +318,7 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
     bar.close()
     summaries = []
     for i, c in enumerate(cfgs):
-        summary = records.summary(c, histories[i], part_summaries[i], runner, status="completed")
+        summary = records.summary(c, histories[i], part_summaries[i], runners[i], status="completed")
         summary["bytes_per_client_round"] = message_bytes(algo, datas[i], streams(c.seed)["init"])
         summary["total_seconds"] = time.perf_counter() - t_start
         if stacked:
@@ -310,7 +343,8 @@ def _check_stackable(cfgs: list[RunConfig]) -> None:
     for c in cfgs[1:]:
         diff = sorted(k for k, v in stack_key(c).items() if base.get(k) != v)
         if diff:
-            raise ConfigError(f"stacked runs may differ only in {', '.join(STACKABLE_FIELDS)}; "
+            free = STACKABLE_FIELDS + algorithms.METHODS[c.method].traced
+            raise ConfigError(f"stacked runs may differ only in {', '.join(free)}; "
                               f"{c.out} also differs in {', '.join(diff)}")
     outs = [c.out for c in cfgs]
     if len(set(outs)) != len(outs):

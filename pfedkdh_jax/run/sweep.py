@@ -18,11 +18,13 @@ like any other (``pfedkdh report`` and ``pfedkdh resume`` work on it). The sweep
 * ``curves-<dataset>-a<alpha>.png``: accuracy vs round per cell, mean with a ± std band, one line
   per method (the paper's Figure 2).
 
-With ``stack`` (``pfedkdh sweep --stack``) the points that differ only in α run as one program
-(:func:`~pfedkdh_jax.run.experiment.run_stacked`: their partitions stacked along the repetition
-axis, vmapped with ``--reps-mode vmap``, else one after another on one set of compiled functions);
-each keeps its own directory, and its numbers are its solo run's up to float rounding. Methods whose
-shapes depend on the partition (FedFed) run point by point.
+With ``stack`` (``pfedkdh sweep --stack``) the points that differ only in α and in ``--grid`` values
+of plain-number hyperparameters (``MethodSpec.traced``: ``lr``, pFedKDH's ``lam``, ``temperature``,
+``mu``) run as one program (:func:`~pfedkdh_jax.run.experiment.run_stacked`: their partitions and
+values stacked along the repetition axis, vmapped with ``--reps-mode vmap``; else one after another,
+on one set of compiled functions per value); each keeps its own directory, and its numbers are its
+solo run's up to float rounding. Methods whose shapes depend on the partition (FedFed) run point by
+point, and so do grid values that change shapes or code (epochs, batch size, transfer forms).
 
 Interrupted sweeps resume: a finished point is kept, a point with checkpoints resumes from the
 newest (bit-identical to an uninterrupted run), a point killed before its first checkpoint starts
@@ -187,8 +189,8 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
 
 
 def _stacks(sweep: Sweep, todo: list[tuple[str, RunConfig]]) -> list[list[tuple[str, RunConfig]]]:
-    """The points run together: with ``sweep.stack``, those that differ only in α (and a method whose
-    runs stack); else one by one."""
+    """The points run together: with ``sweep.stack``, those that differ only in α and traced
+    hyperparameter values (of a method whose runs stack); else one by one."""
     from pfedkdh_jax.run.experiment import stack_key
 
     if not sweep.stack:
