@@ -9,6 +9,13 @@ Evaluation is off except at the last round (``--eval-every R``), so round times 
         [--rounds 6] [--feature-rounds 3] [--fedavg-rounds 4] [--write runs/fedfed_cost.md]
 
 Timings are benchmark output; run it with nothing else busy.
+
+``--memory`` instead breaks the device memory down, from the shapes of the arrays and XLA's own
+accounting of the compiled local step (``memory_analysis()`` of a chunk of ``--chunk-steps`` steps of
+the largest client, compiled with the engine's local-training options), for FedAvg and each FedFed
+phase (phase B's state after its entry, which builds the shared pool):
+
+    python experiments/fedfed_cost.py --data-dir ../shared/data/tfds --memory [--write runs/fedfed_memory.md]
 """
 
 from __future__ import annotations
@@ -36,6 +43,67 @@ print(json.dumps({"train_seconds": [r["train_seconds"] for r in rows],
 """
 
 
+MEMORY_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from pfedkdh_jax.data.device import build_federated_data
+from pfedkdh_jax.engine.layout import local_training_compiler_options
+from pfedkdh_jax.engine.round import make_round
+from pfedkdh_jax.run.config import make_config
+from pfedkdh_jax.run.experiment import engine_layout, make_algorithm, prepare_data
+method, dataset, preset, data_dir = sys.argv[1:5]
+cfg = make_config(preset, method=method, dataset=dataset, data_dir=data_dir or None)
+pool, part, _ = prepare_data(cfg)
+data = build_federated_data(pool, part, eval_chunk=cfg.eval_chunk)
+algo, layout = make_algorithm(cfg, pool.num_classes), engine_layout(cfg)
+size = lambda t: int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(t) if hasattr(x, "dtype")))
+key = jax.random.key(0)
+state = algo.init(key, data)
+largest = jnp.int32(int(np.argmax(data.train_sizes)))
+rows = []
+for i, phase in enumerate(algo.phases):
+    if phase.enter is not None:
+        state = jax.jit(phase.enter)(state, data, key)
+    a = phase.algorithm
+    problem = make_round(a, layout).problem
+    local = jax.jit(problem.start)(state, data, largest, key)
+    ctx = jax.jit(a.context)(state)
+    chunk = jax.jit(lambda s, c, d, k: problem.train(s, c, d, k, layout.chunk_steps),
+                    compiler_options=local_training_compiler_options()).lower(local, ctx, data, largest).compile()
+    m = chunk.memory_analysis()
+    rows.append({"phase": i + 1, "state": size(state), "data": size(data), "local": size(local), "ctx": size(ctx),
+                 "params": size(local.params), "opt_state": size(local.opt_state),
+                 "temp": int(m.temp_size_in_bytes),
+                 "state_parts": {k: size(v) for k, v in vars(state).items() if not k.startswith("_")}})
+print(json.dumps({"chunk_steps": layout.chunk_steps, "batch": cfg.batch_size, "phases": rows}))
+"""
+
+
+def memory(method: str, args) -> dict:
+    p = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, method, args.dataset, args.preset, args.data_dir or ""],
+                       capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"{method} failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def memory_table(args) -> str:
+    mib = lambda b: f"{b / 2 ** 20:.1f}"  # noqa: E731
+    got = {m: memory(m, args) for m in ("fedavg", "fedfed")}
+    lines = [f"{args.dataset}, preset {args.preset}: device bytes (MiB) of the arrays a round holds, and XLA's "
+             f"temporary buffers of one compiled chunk of {got['fedavg']['chunk_steps']} local steps "
+             f"(batch {got['fedavg']['batch']}) of the largest client", "",
+             "| | algorithm state | of which | data (images, index tables) | a client's local state "
+             "(params + optimizer) | context sent | chunk temporaries |", "|---|---|---|---|---|---|---|"]
+    for m, g in got.items():
+        for r in g["phases"]:
+            name = "FedAvg" if m == "fedavg" else f"FedFed phase {'AB'[r['phase'] - 1]}"
+            parts = ", ".join(f"{k} {mib(v)}" for k, v in r["state_parts"].items() if v >= 2 ** 16)
+            lines.append(f"| {name} | {mib(r['state'])} | {parts} | {mib(r['data'])} | {mib(r['local'])} "
+                         f"({mib(r['params'])} + {mib(r['opt_state'])}) | {mib(r['ctx'])} | {mib(r['temp'])} |")
+    return "\n".join(lines)
+
+
 def measure(method: str, args, rounds: int, tmp: str) -> dict:
     out = os.path.join(tmp, method)
     p = subprocess.run([sys.executable, "-c", SCRIPT, method, args.dataset, args.preset, args.data_dir or "",
@@ -54,7 +122,15 @@ def main() -> None:
     ap.add_argument("--feature-rounds", type=int, default=3)
     ap.add_argument("--fedavg-rounds", type=int, default=4)
     ap.add_argument("--write", default=None, help="also write the table to this file")
+    ap.add_argument("--memory", action="store_true", help="the device-memory breakdown instead of the timings")
     args = ap.parse_args()
+    if args.memory:
+        text = memory_table(args)
+        print(text)
+        if args.write:
+            with open(args.write, "w") as f:
+                f.write(text + "\n")
+        return
     if not 2 <= args.feature_rounds <= args.rounds - 2:
         raise SystemExit("--feature-rounds must leave 2 rounds of each phase (2 <= A <= rounds - 2)")
     with tempfile.TemporaryDirectory() as tmp:
