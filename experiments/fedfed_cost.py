@@ -79,12 +79,16 @@ print(json.dumps({"chunk_steps": layout.chunk_steps, "batch": cfg.batch_size, "p
 """
 
 
-def memory(method: str, args) -> dict:
-    p = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, method, args.dataset, args.preset, args.data_dir or ""],
-                       capture_output=True, text=True)
+def child(method: str, script: str, *argv: str) -> dict:
+    """``script`` in a fresh Python process (its own peak memory); its last line of output, as JSON."""
+    p = subprocess.run([sys.executable, "-c", script, method, *argv], capture_output=True, text=True)
     if p.returncode:
         raise SystemExit(f"{method} failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def memory(method: str, args) -> dict:
+    return child(method, MEMORY_SCRIPT, args.dataset, args.preset, args.data_dir or "")
 
 
 def memory_table(args) -> str:
@@ -105,12 +109,8 @@ def memory_table(args) -> str:
 
 
 def measure(method: str, args, rounds: int, tmp: str) -> dict:
-    out = os.path.join(tmp, method)
-    p = subprocess.run([sys.executable, "-c", SCRIPT, method, args.dataset, args.preset, args.data_dir or "",
-                        str(rounds), str(args.feature_rounds), out], capture_output=True, text=True)
-    if p.returncode:
-        raise SystemExit(f"{method} failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return child(method, SCRIPT, args.dataset, args.preset, args.data_dir or "", str(rounds),
+                 str(args.feature_rounds), os.path.join(tmp, method))
 
 
 def main() -> None:

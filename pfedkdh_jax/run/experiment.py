@@ -223,11 +223,8 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
 
     # One runner (per phase of the method) for all groups: sequential repetitions reuse the same
     # compiled functions (one set per hyperparameter value).
-    try:
-        runner = PhasedRunner(algo, runner_data, layout, reps=len(members) if batched else None, mesh=mesh,
-                              hparams=hparams)
-    except ValueError as e:   # hyperparameter values of a method of several phases
-        raise ConfigError(f"stacked runs of other {', '.join(varied)} values: {e}") from None
+    runner = PhasedRunner(algo, runner_data, layout, reps=len(members) if batched else None, mesh=mesh,
+                          hparams=hparams)
     runners = [runner] * len(cfgs)
     if varied and not batched:
         by_values: dict[tuple, PhasedRunner] = {}
