@@ -41,6 +41,10 @@ VARIANTS = {
     "confidence-lam0.2": dict(lam=0.2, kd_gate="confidence"),
     "confidence-T1": dict(lam=0.5, temperature=1.0, kd_gate="confidence"),
     "support+confidence": dict(lam=0.5, kd_target="support", kd_gate="confidence"),
+    # a per-client, per-step λ from the batch the client is training on: the share of the student's
+    # gap to the true labels that the teacher would close (0 once the student is the better model)
+    "adaptive": dict(lam=0.5, kd_gate="adaptive"),
+    "support+adaptive": dict(lam=0.5, kd_target="support", kd_gate="adaptive"),
 }
 # EA schedules scored on every run's final model: (name, steps, epochs, lr)
 EA_GRID = [("s20", 20, 0, 0.015), ("s20_lr0.05", 20, 0, 0.05), ("s50", 50, 0, 0.015),

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 # pFedKDH's teacher-to-client transfer forms (their meaning: pfedkdh_jax.algorithms.pfedkdh)
 KD_TARGETS = ("plain", "support", "prior")
-KD_GATES = ("none", "confidence", "correct", "better")
+KD_GATES = ("none", "confidence", "correct", "better", "adaptive")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,6 +52,11 @@ PyTree = Any
 #              correct  λ where the teacher's prediction is right, 0 elsewhere
 #              better   λ where the teacher gives the true label more probability than the student
 #                       does (T = 1, both from the forward passes the step already makes), 0 elsewhere
+#              adaptive  one weight for the whole batch, λ·clip((p̄_g − p̄_k) / (1 − p̄_k), 0, 1), where p̄_g
+#                       and p̄_k are the teacher's and the student's mean probability of the true label
+#                       over the batch's valid samples (T = 1, from the same forward passes): the share
+#                       of the student's remaining gap that the teacher would close. It falls to 0 as
+#                       the client's own model overtakes the teacher on the client's data.
 # With a gate, sample i's loss is (1 − λ_i)·CE_i + λ_i·T²·KL_i: an untrusted sample keeps its full CE.
 TRANSFER_FORMS = (KD_TARGETS, KD_GATES)
 
@@ -185,7 +190,7 @@ class PFedKDH(Algorithm):
         ce = losses.cross_entropy(logits, y)
         if C.may_be_nonzero(c.lam):
             teacher = self.model.logits({"backbone": ctx["backbone"], "head": ctx["teacher_head"]}, x)
-            kd, trust = self.transfer(logits, teacher, y, ctx.get("labels"))
+            kd, trust = self.transfer(logits, teacher, y, ctx.get("labels"), mask)
             lam = c.lam * trust
             loss = losses.masked_mean((1.0 - lam) * ce + lam * kd, mask)
         else:
@@ -194,10 +199,12 @@ class PFedKDH(Algorithm):
             loss = loss + losses.proximal(params["backbone"], ctx["backbone"], c.mu)
         return loss
 
-    def transfer(self, student: jax.Array, teacher: jax.Array, y: jax.Array, labels: dict | None):
+    def transfer(self, student: jax.Array, teacher: jax.Array, y: jax.Array, labels: dict | None,
+                 mask: jax.Array | None = None):
         """Per-sample distillation term ``[B]`` and trust in the teacher ``[B]`` (in [0, 1], no
         gradient) of the configured form (``kd_target``, ``kd_gate``); ``labels``: the client's label
-        support and log prior ratio (see :func:`client_labels`), needed by the class-aware targets."""
+        support and log prior ratio (see :func:`client_labels`), needed by the class-aware targets;
+        ``mask``: the batch's valid samples (``[B]``; None: all), read by the batch-level gate."""
         c = self.config
         teacher = jax.lax.stop_gradient(teacher)
         if c.kd_target == "support":
@@ -215,8 +222,15 @@ class PFedKDH(Algorithm):
             trust = p_t
         elif c.kd_gate == "correct":
             trust = (jnp.argmax(teacher, -1) == y).astype(kd.dtype)
-        else:  # "better"
+        elif c.kd_gate == "better":
             trust = (p_t > losses.true_class_probability(jax.lax.stop_gradient(student), y)).astype(kd.dtype)
+        else:  # "adaptive"
+            valid = jnp.ones_like(kd) if mask is None else mask.astype(kd.dtype)
+            p_s = losses.true_class_probability(jax.lax.stop_gradient(student), y)
+            gap_t, gap_s = (losses.masked_mean(1.0 - p, valid) for p in (p_t, p_s))
+            # share of the student's gap the teacher closes: (p̄_g − p̄_k) / (1 − p̄_k) = 1 − gap_g / gap_k
+            share = jnp.clip(1.0 - gap_t / jnp.maximum(gap_s, 1e-6), 0.0, 1.0)
+            trust = jnp.broadcast_to(share, kd.shape)
         return kd, trust
 
     def messages(self, state: PFedKDHState, update: ClientUpdate):

@@ -43,7 +43,7 @@ _FLAGS = [
     ("--ea-lr", "ea_lr", float, "pFedKDH-EA learning rate (default: --lr)"),
     ("--ea-epochs", "ea_epochs", int, "> 0: pFedKDH-EA takes this many epochs over each client's train split"),
     ("--kd-target", "kd_target", str, "distilled teacher distribution: plain (paper) | support | prior"),
-    ("--kd-gate", "kd_gate", str, "per-sample trust in the teacher: none (paper) | confidence | correct | better"),
+    ("--kd-gate", "kd_gate", str, "per-sample trust in the teacher: none (paper) | confidence | correct | better | adaptive"),
     ("--eval-every", "eval_every", int, "evaluate every N rounds (and the last)"),
     ("--ea-every", "ea_every", int, "EA evaluation every N rounds (and the last)"),
     ("--client-parallel", "client_parallel", str, "vmap | sequential (default: per backend)"),

@@ -65,7 +65,7 @@ class RunConfig:
     ea_lr: float | None = None         # pFedKDH-EA learning rate (None: --lr)
     ea_epochs: int = 0                 # > 0: EA takes this many epochs over the client's train split instead of --ea-steps
     kd_target: str = "plain"           # distilled teacher distribution: plain | support | prior (algorithms.KD_TARGETS)
-    kd_gate: str = "none"              # per-sample trust in the teacher: none | confidence | correct | better
+    kd_gate: str = "none"              # per-sample trust in the teacher: none | confidence | correct | better | adaptive
     # --- evaluation
     eval_every: int = 1                # Fair evaluation of all clients every N rounds (and the last)
     ea_every: int = 10                 # EA evaluation every N rounds (and the last)
