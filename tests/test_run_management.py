@@ -155,3 +155,38 @@ def test_report_table_and_figures(tmp_path, reference, capsys):
     assert (tmp_path / "comparison.png").stat().st_size > 1000
     assert (Path(reference) / "clients.png").stat().st_size > 1000
     assert cli.main(["report", str(tmp_path / "nothing")]) == 2
+
+
+def test_checkpoint_files_hold_the_state_and_refuse_another_shape(tmp_path):
+    """A checkpoint's leaves come back as saved, placed like the target; one whose leaves do not fit
+    the run's state is skipped for the previous one; a checkpoint written by orbax (the earlier
+    format: a state/ folder of its own) is still read."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from pfedkdh_jax.run.checkpoint import Checkpoints
+
+    fp = {"config": "c", "partition": "p", "dataset": "d", "method": "m"}
+    state = {"w": jnp.arange(6.0).reshape(2, 3), "n": jnp.int32(7), "h": jnp.ones(4, jnp.float16)}
+    messages = []
+    ck = Checkpoints(str(tmp_path / "run"), fp, keep=3, log=messages.append)
+    ck.save(1, state, [{"round": 1}])
+    rnd, got, history = ck.restore_latest(state)
+    assert rnd == 1 and history == [{"round": 1}]
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(state)):
+        assert isinstance(a, jax.Array) and a.dtype == b.dtype and np.array_equal(a, b)
+    # round 2 saved from a state of another shape: refused, round 1 restored instead
+    ck.save(2, {**state, "w": jnp.zeros((3, 3))}, [])
+    assert ck.restore_latest(state)[0] == 1
+    assert any("round_000002" in m and "float32[3, 3]" in m for m in messages), messages
+    # round 3 in orbax's layout
+    ck.save(3, state, [{"round": 3}])
+    folder = tmp_path / "run" / "checkpoints" / "round_000003" / "state"
+    shutil.rmtree(folder)
+    saver = ocp.StandardCheckpointer()
+    saver.save(str(folder), jax.device_get({**state, "w": state["w"] + 1}))
+    saver.wait_until_finished()
+    rnd, got, _ = ck.restore_latest(state)
+    assert rnd == 3 and np.array_equal(got["w"], state["w"] + 1)

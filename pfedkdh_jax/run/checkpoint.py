@@ -1,11 +1,15 @@
-"""Atomic checkpoints of a run (orbax), with fall-back to the previous good one.
+"""Atomic checkpoints of a run, with fall-back to the previous good one.
 
-Layout: ``RUN_DIR/checkpoints/round_000012/{state/, meta.json}``. A checkpoint is written under a
+Layout: ``RUN_DIR/checkpoints/round_000012/{state/leaves.npz, meta.json}``. A checkpoint is written under a
 temporary name and renamed into place only once complete, so a process killed mid-save leaves no
 half checkpoint under a real name (leftover temporaries are removed on the next save). ``meta.json``
 holds the round, the run's fingerprint (config and partition hashes) and the metrics rows so far;
-the state pytree (server state, every client's persistent state, optimizer states) goes through
-orbax. The random keys of a run are derived from its seeds and the round number, so the round
+the state pytree (server state, every client's persistent state, optimizer states) is a host pytree
+whose leaves go, in flattening order, into one ``.npz`` (its structure is the run's own: restoring
+checks every leaf's shape and dtype against it). Each process writes only its own runs' files, so
+a sweep split over the processes of a ``jax.distributed`` job checkpoints as a single process does
+(orbax, used before, writes numpy leaves from process 0 alone there); checkpoints written by orbax
+(a ``state/`` folder without ``leaves.npz``) are still read. The random keys of a run are derived from its seeds and the round number, so the round
 counter restores them exactly.
 """
 
@@ -62,7 +66,6 @@ class Checkpoints:
         return sorted(out)
 
     def save(self, round_: int, state: Any, history: list[dict]) -> str:
-        import orbax.checkpoint as ocp
         os.makedirs(self.dir, exist_ok=True)
         for name in os.listdir(self.dir):  # debris of a save that was killed
             if name.startswith(".tmp-"):
@@ -70,9 +73,11 @@ class Checkpoints:
         final = os.path.join(self.dir, f"{PREFIX}{round_:06d}")
         tmp = os.path.join(self.dir, f".tmp-{PREFIX}{round_:06d}")
         os.makedirs(tmp)
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.abspath(os.path.join(tmp, "state")), jax.device_get(state))
-        ckptr.wait_until_finished()
+        os.makedirs(os.path.join(tmp, "state"))
+        with open(os.path.join(tmp, "state", LEAVES), "wb") as f:
+            np.savez(f, *[np.asarray(x) for x in jax.tree_util.tree_leaves(jax.device_get(state))])
+            f.flush()
+            os.fsync(f.fileno())
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({"round": round_, "fingerprint": self.fp, "history": history}, f)
             f.flush()
@@ -103,8 +108,6 @@ class Checkpoints:
         A checkpoint whose files are unreadable is skipped with a message naming it; one written for
         another config or partition is refused (:class:`CheckpointError`).
         """
-        import orbax.checkpoint as ocp
-        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
         for r in reversed([r for r in self.rounds() if upto is None or r <= upto]):
             path = os.path.join(self.dir, f"{PREFIX}{r:06d}")
             try:
@@ -115,10 +118,35 @@ class Checkpoints:
                 continue
             self.check_fingerprint(meta, path)
             try:
-                state = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(path, "state")), abstract)
-            except Exception as e:  # orbax raises many types for truncated/corrupt files
+                state = _read_state(os.path.join(path, "state"), target)
+            except Exception as e:  # numpy (or orbax, for an old checkpoint) raises many types for bad files
                 self.log(f"checkpoint {path} is corrupt ({type(e).__name__}: {str(e)[:120]}); "
                          "falling back to the previous one")
                 continue
             return int(meta["round"]), state, list(meta["history"])
         return None
+
+
+
+LEAVES = "leaves.npz"
+
+
+def _read_state(path: str, target: Any) -> Any:
+    """The state saved under ``path``, shaped as ``target`` (whose leaves' shapes, dtypes and
+    placements it takes); a ValueError if the file does not hold such a state."""
+    leaves, treedef = jax.tree_util.tree_flatten(target)
+    file = os.path.join(path, LEAVES)
+    if not os.path.exists(file):   # written by orbax (before the .npz format)
+        import orbax.checkpoint as ocp
+        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+        return ocp.StandardCheckpointer().restore(os.path.abspath(path), abstract)
+    with np.load(file) as z:
+        if len(z.files) != len(leaves):
+            raise ValueError(f"{len(z.files)} arrays for a state of {len(leaves)}")
+        got = [z[f"arr_{i}"] for i in range(len(leaves))]
+    out = []
+    for i, (a, t) in enumerate(zip(got, leaves)):
+        if a.shape != tuple(t.shape) or a.dtype != t.dtype:
+            raise ValueError(f"leaf {i} is {a.dtype}{list(a.shape)}, the run's is {t.dtype}{list(t.shape)}")
+        out.append(jax.device_put(a, t.sharding) if isinstance(t, jax.Array) else a)
+    return jax.tree_util.tree_unflatten(treedef, out)

@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the points that differ only in α and in --grid values of lr (pfedkdh: also lam, "
                          "temperature, mu) as one program (partitions and values stacked along the repetition "
                          "axis; vmapped with --reps-mode vmap); not for fedfed")
+    sw.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                    help="run the sweep as one process of a jax.distributed job whose process 0 listens at "
+                         "HOST:PORT (with --num-processes, --process-id; one command per process, the sweep "
+                         "directory on a shared file system): the processes split the points, process 0 "
+                         "writes the tables")
+    sw.add_argument("--num-processes", type=int, default=None, help="processes of the jax.distributed job")
+    sw.add_argument("--process-id", type=int, default=None, help="this process's index, 0 … num-processes − 1")
     for flag, field, typ, hlp in _FLAGS:
         if field not in ("method", "dataset", "alpha", "out", "reps"):
             sw.add_argument(flag, dest=field, type=typ, default=None, help=hlp)
@@ -249,15 +256,39 @@ def _sweep(args) -> int:
                            args.preset or axes.get("preset", "default"), options, margs,
                            stack=args.stack if args.stack is not None else axes.get("stack", False))
         out = args.sweep_out or os.path.join("runs", "sweep-" + time.strftime("%Y%m%d-%H%M%S"))
+        if args.coordinator is not None or args.num_processes is not None or args.process_id is not None:
+            if args.sweep_out is None:
+                raise ConfigError("--coordinator needs --out: every process must name the same sweep directory")
+            _start_distributed(args.coordinator, args.num_processes, args.process_id)
         result = _guarded_sweep(lambda: run_sweep(sweep, out, progress=not args.no_progress))
     except (ConfigError, DataError) as e:
         print(f"pfedkdh: error: {e}", file=sys.stderr)
         return 2
     if isinstance(result, int):
         return result
+    if result["table"] is None:   # not process 0 of a distributed sweep
+        print(f"sweep directory: {out} (this process's points done; process 0 writes the tables)")
+        return 0
     print(result["table"])
     print(f"sweep directory: {out} (table.md, table.csv, costs.md, {len(result['figures'])} figure(s))")
     return 0
+
+
+def _start_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """``jax.distributed.initialize`` from the sweep's flags, after checking them (one-line errors)."""
+    if coordinator is None or num_processes is None or process_id is None:
+        raise ConfigError("a distributed sweep needs all three of --coordinator HOST:PORT, --num-processes N "
+                          "and --process-id I")
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--coordinator must be HOST:PORT; got {coordinator!r}")
+    if num_processes < 1:
+        raise ConfigError(f"--num-processes must be at least 1; got {num_processes}")
+    if not 0 <= process_id < num_processes:
+        raise ConfigError(f"--process-id must be in 0 … {num_processes - 1}; got {process_id}")
+    import jax
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id)
 
 
 def _guarded_sweep(job):

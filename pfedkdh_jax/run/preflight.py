@@ -32,7 +32,7 @@ MARGIN = 0.9   # of the available memory
 
 def available_bytes() -> int | None:
     """Memory the run may use: the accelerator's limit, or the host's available memory on a CPU."""
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     if device.platform != "cpu":
         stats = device.memory_stats() or {}
         limit = stats.get("bytes_limit")

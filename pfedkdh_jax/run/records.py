@@ -86,7 +86,8 @@ def environment() -> dict[str, Any]:
     return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
             "numpy": np.__version__, "python": platform.python_version(),
             "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-            "device_count": jax.device_count(), "git_commit": commit}
+            "device_count": jax.local_device_count(), "process_count": jax.process_count(),
+            "git_commit": commit}
 
 
 def summary(cfg, history: list[dict], part_summary: dict, runner,

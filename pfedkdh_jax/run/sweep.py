@@ -26,6 +26,15 @@ on one set of compiled functions per value); each keeps its own directory, and i
 solo run's up to float rounding. Methods whose shapes depend on the partition (FedFed) run point by
 point, and so do grid values that change shapes or code (epochs, batch size, transfer forms).
 
+Under ``jax.distributed`` (``pfedkdh sweep --coordinator HOST:PORT --num-processes N --process-id I``,
+one command per process, the sweep directory on a file system they share) the processes split the
+sweep: point j in sweep order goes to process j mod N, so every stack is divided among them and each
+process runs its part of it as one program on its own devices. The runs never exchange anything
+(each is complete in itself), so no array spans processes; ``jax.distributed`` supplies the process
+index and count and the barriers: all start once process 0 has written ``sweep.json``, and process 0
+writes the tables once all have finished. Their numbers equal a one-process sweep's up to float
+rounding (a stack's runs equal their solo runs).
+
 Interrupted sweeps resume: a finished point is kept, a point with checkpoints resumes from the
 newest (bit-identical to an uninterrupted run), a point killed before its first checkpoint starts
 again; the tables are rebuilt from the run directories, so they equal an uninterrupted sweep's.
@@ -151,9 +160,17 @@ def _grid_of(spec: dict) -> dict:
 
 
 def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable = print) -> dict:
-    """Run (or continue) every point of ``sweep`` under ``out``, then write the tables and figures."""
+    """Run (or continue) every point of ``sweep`` under ``out``, then write the tables and figures.
+
+    Under ``jax.distributed`` this process runs its share of the points (:func:`share`) and only
+    process 0 writes the outputs; the other processes return ``{"out": out, "table": None, ...}``."""
+    import jax
+
     from pfedkdh_jax.run.experiment import run_stacked
 
+    index, count = jax.process_index(), jax.process_count()
+    if count > 1:
+        log = _prefixed(log, f"[process {index}/{count}] ")
     os.makedirs(out, exist_ok=True)
     spec_path = os.path.join(out, "sweep.json")
     if os.path.exists(spec_path):
@@ -162,12 +179,13 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
         # the same grid (whether its points stack is how, not what: it may change between calls)
         if _grid_of(stored) != _grid_of(sweep.to_json()):
             raise ConfigError(f"{out} holds another sweep (its sweep.json differs); choose another --out")
-    else:
+    elif index == 0:
         with open(spec_path, "w") as f:
             json.dump(sweep.to_json(), f, indent=2)
+    _barrier("pfedkdh-sweep-start", count)
     todo = points(sweep, out)
     number = {name: i + 1 for i, (name, _) in enumerate(todo)}
-    for group in _stacks(sweep, todo):   # one point, or the points that run as one program
+    for group in share(_stacks(sweep, todo), index, count):   # one point, or points run as one program
         resumed, fresh, names = [], [], []
         for name, cfg in group:
             status = _status(cfg.out)
@@ -185,7 +203,35 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
             run_stacked(resumed, progress=progress, log=log, resume=True)
         if fresh:
             run_stacked(fresh, progress=progress, log=log)
+    _barrier("pfedkdh-sweep-done", count)
+    if index != 0:
+        log("this process's points are done; process 0 writes the tables")
+        return {"table": None, "columns": [], "rows": [], "figures": [], "out": out}
     return write_outputs(sweep, out)
+
+
+def share(groups: list[list], index: int, count: int) -> list[list]:
+    """Process ``index``'s part of ``groups`` (lists of points, in sweep order) among ``count``
+    processes: point j (counted over all groups) goes to process j mod count, so the points are
+    balanced and a stack is divided among the processes, each running its part as one stack."""
+    mine, j = [], 0
+    for group in groups:
+        part = [p for i, p in enumerate(group) if (j + i) % count == index]
+        j += len(group)
+        if part:
+            mine.append(part)
+    return mine
+
+
+def _barrier(name: str, count: int) -> None:
+    """Every process of a jax.distributed job reaches this point before any goes on."""
+    if count > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def _prefixed(log: Callable, prefix: str) -> Callable:
+    return lambda *a, **k: log(prefix + " ".join(str(x) for x in a), **k)
 
 
 def _stacks(sweep: Sweep, todo: list[tuple[str, RunConfig]]) -> list[list[tuple[str, RunConfig]]]:
