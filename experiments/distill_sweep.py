@@ -12,6 +12,7 @@ sweep goes, so an interrupted sweep resumes by running the same command (finishe
         --cells mnist:0.1,mnist:0.05,fashion_mnist:0.1,fashion_mnist:0.05 --seeds 0:0 \\
         --out experiments/distill_sweep.jsonl
     python experiments/distill_sweep.py --table experiments/distill_sweep.jsonl   # the table only
+    python experiments/distill_sweep.py --select experiments/distill_sweep.jsonl  # paired, for the defaults
 
 ``val_fair_last3`` (the mean of the last three rounds' Fair accuracy) is reported next to the final
 round's, because a single final round swings by about half a point on Fashion-MNIST.
@@ -121,6 +122,69 @@ def table(path: str) -> str:
     return "\n".join(out)
 
 
+def _rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _cell(r: dict) -> str:
+    return f"{ {'mnist': 'MNIST', 'fashion_mnist': 'FMNIST', 'cifar10': 'CIFAR-10'}.get(r['dataset'], r['dataset'])} {r['alpha']:g}"
+
+
+def selection(path: str, reference: str = "lam0") -> str:
+    """Markdown for choosing the defaults, from paired differences only (a variant against the
+    reference on the same cell and (seed, data seed) pair, so partitions that are easier or harder do
+    not move the comparison):
+
+    * each variant's Fair (final round; mean of the last three) and best-EA accuracy minus the
+      reference's, per cell and over every pair both ran;
+    * the reference's EA schedules: EA minus Fair per cell, and over all pairs (the EA default is the
+      schedule with the largest mean gain).
+    """
+    rows = _rows(path)
+    by = {(r["dataset"], r["alpha"], r["rounds"], r["variant"], r["seed"], r["data_seed"]): r for r in rows}
+    cells = sorted({(r["dataset"], r["alpha"], r["rounds"]) for r in rows},
+                   key=lambda c: (["mnist", "fashion_mnist", "cifar10"].index(c[0]) if c[0] in
+                                  ("mnist", "fashion_mnist", "cifar10") else 9, -c[1]))
+    names = {c: _cell({"dataset": c[0], "alpha": c[1]}) for c in cells}
+    ea_keys = [f"val_ea_{n}" for n, *_ in EA_GRID]
+    best_ea = lambda r: max(r[k] for k in ea_keys if r.get(k) is not None)  # noqa: E731
+    measures = [("Fair final", lambda r: r["val_fair"]), ("Fair last-3", lambda r: r["val_fair_last3"]),
+                ("best EA", best_ea)]
+    out = [f"Paired differences to `{reference}` in points (n: the (seed, data seed) pairs both ran); "
+           "the last column pools every pair of every cell.\n"]
+    variants = sorted({r["variant"] for r in rows if r["variant"] != reference},
+                      key=lambda v: (list(VARIANTS).index(v.split("[")[0]) if v.split("[")[0] in VARIANTS else 99, v))
+    for label, f in measures:
+        out.append(f"\n**{label}**, variant − {reference}\n")
+        out.append("| variant | " + " | ".join(names[c] for c in cells) + " | all cells |")
+        out.append("|---|" + "---|" * (len(cells) + 1))
+        for v in variants:
+            pooled, parts = [], []
+            for c in cells:
+                diffs = [100 * (f(r) - f(by[(*c, reference, r["seed"], r["data_seed"])])) for r in rows
+                         if (r["dataset"], r["alpha"], r["rounds"], r["variant"]) == (*c, v)
+                         and (*c, reference, r["seed"], r["data_seed"]) in by]
+                pooled += diffs
+                parts.append(f"{statistics.mean(diffs):+.2f} (n {len(diffs)})" if diffs else "–")
+            out.append(f"| {v} | " + " | ".join(parts) + " | "
+                       + (f"{statistics.mean(pooled):+.2f} (n {len(pooled)})" if pooled else "–") + " |")
+    out.append(f"\n**EA schedules of `{reference}`**: EA − Fair (final round), points\n")
+    out.append("| schedule | " + " | ".join(names[c] for c in cells) + " | all cells |")
+    out.append("|---|" + "---|" * (len(cells) + 1))
+    for name, steps, epochs, lr in EA_GRID:
+        key, pooled, parts = f"val_ea_{name}", [], []
+        for c in cells:
+            gains = [100 * (r[key] - r["val_fair"]) for r in rows
+                     if (r["dataset"], r["alpha"], r["rounds"], r["variant"]) == (*c, reference) and r.get(key) is not None]
+            pooled += gains
+            parts.append(f"{statistics.mean(gains):+.2f} (n {len(gains)})" if gains else "–")
+        what = f"{steps} steps" if steps else f"{epochs} epoch(s)"
+        out.append(f"| {name} ({what}, lr {lr:g}) | " + " | ".join(parts) + " | "
+                   + (f"{statistics.mean(pooled):+.2f} (n {len(pooled)})" if pooled else "–") + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default=None)
@@ -132,9 +196,13 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "distill_sweep.jsonl"))
     ap.add_argument("--runs-dir", default="runs/distill")
     ap.add_argument("--table", default=None, help="only print the table of this results file")
+    ap.add_argument("--select", default=None, help="only print the paired comparison (defaults) of this results file")
     args = ap.parse_args()
     if args.table:
         print(table(args.table))
+        return
+    if args.select:
+        print(selection(args.select))
         return
     extra = {}
     for pair in filter(None, args.set.split(",")):
