@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Issue 12's accelerator figures in one device call (about 10 minutes at most). Here, first:
+#   python experiments/gpu_sweep.py prepare runs/gpu-data --data-dir ../shared/data/tfds   # ~42 MiB
+# then on the device, from the repository root, carrying runs/gpu-data:
+#   bash experiments/gpu_sweep.sh
+# Steps, most important first, each under its own time limit (LIMIT scales them; seconds of step 1):
+#   0. the fp32 matmul rate;
+#   1. pFedKDH, MNIST α = 0.1, paper preset, 5 seeds as one vmapped program, 50 rounds, packed lanes
+#      (target: ≤ 20 s of training);
+#   2. pFedKDH on all six MNIST / Fashion-MNIST cells (α 0.05, 0.1, 0.5) × 5 seeds as one stacked sweep
+#      (target: ≤ 90 s wall clock with compilation), and its useful FLOPs as a fraction of the matmul rate;
+#   3. the widest table the time left allows: every method but FedFed on the same cells × 5 seeds.
+# Everything goes to $OUT (default runs/gpu-sweep): log.txt, the sweep tables, the run summaries.
+# A dry run on a CPU: DATASETS=digits ALPHAS=0.5,1.0 ROUNDS=1 PRESET=default LANES= METHODS=fedper LIMIT=300 \
+#   bash experiments/gpu_sweep.sh
+set -uo pipefail
+out="${OUT:-runs/gpu-sweep}"
+py="${PYTHON:-python3}"
+limit="${LIMIT:-100}"
+rounds="${ROUNDS:-50}"
+preset="${PRESET:-paper}"
+datasets="${DATASETS:-mnist,fashion_mnist}"
+alphas="${ALPHAS:-0.05,0.1,0.5}"
+lanes="${LANES-10}"   # LANES= (empty): no packing (a CPU dry run's sequential layout has none)
+gpu_data="${GPU_DATA:-runs/gpu-data}"
+log="$out/log.txt"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+data=()
+if [ -d "$gpu_data/tfds" ]; then
+  export PFEDKDH_CACHE_DIR="$gpu_data/cache"
+  data=(--data-dir "$gpu_data/tfds")
+fi
+step() {  # step NAME SECONDS COMMAND...: COMMAND under a time limit; its output and wall time logged
+  local name=$1 secs=$2 t0 rc
+  shift 2
+  t0=$(date +%s%N)
+  echo "== $name: $*" | tee -a "$log"
+  timeout "$secs" "$@" 2>&1 | tee -a "$log" | tail -20
+  rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $(( ($(date +%s%N) - t0) / 1000000 )) ms" | tee -a "$log"
+  return "$rc"
+}
+"$py" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" 2>&1 | tee "$log" || exit 1
+rate=$("$py" -c "
+import sys; sys.path.insert(0, 'experiments')
+from benchmarks import matmul_rate; print(matmul_rate())" 2>/dev/null | tail -1)
+echo "matmul rate: $rate FLOP/s" | tee -a "$log"
+
+pack=()
+[ -n "$lanes" ] && pack=(--lanes "$lanes")
+common=(--preset "$preset" --rounds "$rounds" --reps-mode vmap --checkpoint-every 0 --no-progress "${data[@]}")
+first=${datasets%%,*}
+step "1: pfedkdh $first α=0.1 × 5 seeds stacked" "$limit" "$py" -m pfedkdh_jax run --dataset "$first" --alpha 0.1 \
+  --reps 5 "${pack[@]}" --ea-every "$rounds" "${common[@]}" --out "$out/reps5"
+"$py" -c "
+import json; s = json.load(open('$out/reps5/summary.json'))
+print('step 1: s/round', s.get('seconds_per_round'), 'compile s', s.get('compile_seconds'),
+      'training s (rounds × s/round)', s.get('seconds_per_round', 0) * $rounds,
+      'Fair', s.get('personalized_macro_accuracy'), 'EA', s.get('personalized_macro_accuracy_ea'))" 2>&1 | tee -a "$log"
+
+t0=$(date +%s%N)
+step "2: pfedkdh sweep, $datasets × α $alphas × 5 seeds, stacked" $(( limit * 3 )) "$py" -m pfedkdh_jax sweep \
+  --datasets "$datasets" --alphas "$alphas" --methods pfedkdh --seeds 5 --stack "${pack[@]}" \
+  --ea-every "$rounds" "${common[@]}" --out "$out/sweep-pfedkdh"
+wall=$("$py" -c "print(($(date +%s%N) - $t0) / 1e9)")
+echo "step 2: wall clock $wall s (with start-up and compilation)" | tee -a "$log"
+[ -n "$rate" ] && "$py" experiments/gpu_sweep.py fraction "$out/sweep-pfedkdh" --seconds "$wall" --rate "$rate" 2>&1 | tee -a "$log"
+
+methods="${METHODS:-pfedkdh,fedavg,fedprox,ditto,pfedme,fedper,fedrep,fedbabu,fedproto,fedala,pfedsim}"
+step "3: widest table ($methods)" $(( limit * 3 )) "$py" -m pfedkdh_jax sweep --datasets "$datasets" \
+  --alphas "$alphas" --methods "$methods" --seeds 5 --stack --ea-every "$rounds" "${common[@]}" \
+  --eval-every 10 --out "$out/sweep-all"
+for d in "$out"/sweep-*/; do [ -f "$d/table.md" ] && { echo "== $d"; cat "$d/table.md" "$d/costs.md"; } | tee -a "$log"; done
+find "$out" -name checkpoints -type d -prune -exec rm -rf {} +
