@@ -13,6 +13,8 @@ Sections (each can be run alone with --only):
   pooling samples/s of training steps and of forward passes with three forms of the same 2×2
           max-pooling (flax's, which the model uses off CPU; reshape + max; the custom-gradient form
           the model uses on CPU);
+  convforms  a training step of 1 and 10 members with weights of their own, vmapped, with XLA's
+          convolution (grouped once vmapped) and with the matmul over patches (batched once vmapped);
   methods accuracy and round times of pFedKDH and every baseline, read from finished MNIST
           paper-preset runs (``--runs-glob``; the runs themselves are listed in BENCHMARKS.md).
 
@@ -154,6 +156,48 @@ def bench_pooling(steps=8, repeats=10, batch=64, eval_batch=2048) -> str:
             jax.block_until_ready(f)
             fwd = (repeats // 2) * eval_batch / (time.perf_counter() - t0)
             lines.append(f"| {name} | {label} | {train:.0f} | {fwd:.0f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def bench_conv_forms(members=(1, 10), steps=4, repeats=5, batch=64) -> str:
+    """A training step of ``m`` members with weights of their own (vmapped: clients or repetitions),
+    with XLA's convolution (a grouped convolution once vmapped) and with the matmul over patches (a
+    batched matmul once vmapped); interleaved repeats, median samples/s. Compiled with the engine's
+    options for local training (on CPU: YNNPACK for dots and reductions only)."""
+    import optax
+
+    from pfedkdh_jax.engine.layout import local_training_compiler_options
+
+    lines = ["| input | members (vmapped) | `lax` convolution, samples/s | patches + matmul, samples/s | patches / lax |",
+             "|---|---|---|---|---|"]
+    for name, shape in SHAPES.items():
+        for m in members:
+            x = jax.random.normal(jax.random.key(1), (m, batch, *shape))
+            y = jnp.arange(batch) % 10
+            chunks, params = {}, {}
+            for form in ("lax", "patches"):
+                model = CNN(10, conv_form=form)
+                one = model.init(jax.random.key(0), shape)
+                params[form] = jax.tree_util.tree_map(lambda a: jnp.stack([a] * m), one)
+
+                def loss(p, xb, model=model):
+                    return optax.softmax_cross_entropy_with_integer_labels(model.logits(p, xb), y).mean()
+
+                def member_chunk(p, xb, loss=loss):
+                    for _ in range(steps):
+                        p = jax.tree_util.tree_map(lambda a, g: a - 0.01 * g, p, jax.grad(loss)(p, xb))
+                    return p
+                chunks[form] = jax.jit(jax.vmap(member_chunk), compiler_options=local_training_compiler_options())
+                jax.block_until_ready(chunks[form](params[form], x))
+            rates = {"lax": [], "patches": []}
+            for _ in range(repeats):
+                for form in ("lax", "patches"):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(chunks[form](params[form], x))
+                    rates[form].append(m * steps * batch / (time.perf_counter() - t0))
+            a, b = (statistics.median(rates[f]) for f in ("lax", "patches"))
+            lines.append(f"| {name} | {m} | {a:.0f} | {b:.0f} | {b / a:.2f}× |")
             print(lines[-1], flush=True)
     return "\n".join(lines)
 
@@ -412,6 +456,8 @@ def main() -> None:
                            bench_memory),
                 "pooling": ("Pooling form (the model's training step, batch 64, unrolled chunks of 8)",
                             bench_pooling),
+                "convforms": ("Convolution form with per-member weights (training steps of 64, vmapped members)",
+                              bench_conv_forms),
                 "methods": ("Methods on MNIST, α = 0.1, paper preset (one repetition, seed 0)",
                             lambda: bench_methods(args.runs_glob))}
     for name in args.only.split(","):

@@ -4,7 +4,8 @@
 # then on the device, from the repository root, carrying runs/gpu-data:
 #   bash experiments/gpu_sweep.sh
 # Steps, most important first, each under its own time limit (LIMIT scales them; seconds of step 1):
-#   0. the fp32 matmul rate;
+#   0. the fp32 matmul rate, and the convolution forms with per-member weights (benchmarks.py convforms:
+#      XLA's, grouped once vmapped, against the matmul over patches; choose --conv-form's GPU default);
 #   1. pFedKDH, MNIST α = 0.1, paper preset, 5 seeds as one vmapped program, 50 rounds, packed lanes
 #      (target: ≤ 20 s of training);
 #   2. pFedKDH on all six MNIST / Fashion-MNIST cells (α 0.05, 0.1, 0.5) × 5 seeds as one stacked sweep
@@ -46,6 +47,7 @@ rate=$("$py" -c "
 import sys; sys.path.insert(0, 'experiments')
 from benchmarks import matmul_rate; print(matmul_rate())" 2>/dev/null | tail -1)
 echo "matmul rate: $rate FLOP/s" | tee -a "$log"
+step "0: convolution forms" $(( limit / 2 )) "$py" experiments/benchmarks.py --only convforms --write "$out/bench-convforms.md"
 
 pack=()
 [ -n "$lanes" ] && pack=(--lanes "$lanes")

@@ -77,17 +77,60 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
     return flax_max_pool_2x2(x)
 
 
+def patch_matmul_conv(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """A VALID, stride-1 convolution as one matmul over patches: ``x`` ``[B, H, W, C]``, ``kernel``
+    ``[k, k, C, O]`` → ``[B, H−k+1, W−k+1, O]``, the same values as ``lax.conv_general_dilated``.
+
+    The k² shifted views of ``x`` are stacked into ``[B, H', W', k²·C]`` and contracted with the
+    kernel reshaped to ``[k²·C, O]`` (``einsum``). Under ``vmap`` with weights of their own per member
+    (clients or repetitions), this stays a batched matmul, where the convolution becomes a grouped
+    convolution (``feature_group_count`` = members); which is faster depends on the backend
+    (experiments/benchmarks.py ``--only convforms``)."""
+    k = kernel.shape[0]
+    h, w = x.shape[-3] - k + 1, x.shape[-2] - k + 1
+    views = [x[..., i:i + h, j:j + w, :] for i in range(k) for j in range(k)]
+    patches = jnp.stack(views, axis=-2).reshape(*x.shape[:-3], h, w, k * k * x.shape[-1])
+    return jnp.einsum("...hwp,po->...hwo", patches, kernel.reshape(k * k * x.shape[-1], -1))
+
+
+class PatchConv(nn.Module):
+    """``nn.Conv(features, (k, k), padding="VALID")`` computed by :func:`patch_matmul_conv`: the same
+    parameters (names, shapes, initializers, creation order), so a model's parameters do not depend
+    on the form."""
+
+    features: int
+    kernel_size: int = 5
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        k = self.kernel_size
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, k, x.shape[-1], self.features))
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        y = patch_matmul_conv(x, kernel)
+        return y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+CONV_FORMS = ("lax", "patches")
+
+
 class Backbone(nn.Module):
-    """Conv 5×5·32 → ReLU → MaxPool 2 → Conv 5×5·64 → ReLU → MaxPool 2 → Dropout → Dense 512 → ReLU."""
+    """Conv 5×5·32 → ReLU → MaxPool 2 → Conv 5×5·64 → ReLU → MaxPool 2 → Dropout → Dense 512 → ReLU.
+
+    ``conv_form``: ``"lax"`` (flax's ``nn.Conv``, XLA's convolution; the default on every backend) or
+    ``"patches"`` (:class:`PatchConv`, a matmul over patches: under ``vmap`` over per-member weights
+    a batched matmul instead of a grouped convolution). The same parameters either way."""
 
     dropout_rate: float = 0.0
     pool: Callable[[jax.Array], jax.Array] = max_pool_2x2  # 2×2 max-pooling, per backend (swappable)
+    conv_form: str = "lax"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
-        x = nn.Conv(32, (5, 5), padding="VALID", name="conv1")(x)
+        conv = ((lambda n, name: nn.Conv(n, (5, 5), padding="VALID", name=name)) if self.conv_form == "lax"
+                else (lambda n, name: PatchConv(n, name=name)))
+        x = conv(32, "conv1")(x)
         x = nn.relu(self.pool(x))
-        x = nn.Conv(64, (5, 5), padding="VALID", name="conv2")(x)
+        x = conv(64, "conv2")(x)
         x = nn.relu(self.pool(x))
         x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
         x = x.reshape(x.shape[:-3] + (-1,))
@@ -107,10 +150,13 @@ class Head(nn.Module):
 class CNN:
     """Pure functions of the split model; holds only static hyperparameters, never parameters."""
 
-    def __init__(self, num_classes: int, dropout_rate: float = 0.0):
+    def __init__(self, num_classes: int, dropout_rate: float = 0.0, conv_form: str = "lax"):
+        if conv_form not in CONV_FORMS:
+            raise ValueError(f"conv_form must be one of {CONV_FORMS}; got {conv_form!r}")
         self.num_classes = num_classes
         self.dropout_rate = dropout_rate
-        self.backbone = Backbone(dropout_rate)
+        self.conv_form = conv_form
+        self.backbone = Backbone(dropout_rate, conv_form=conv_form)
         self.head = Head(num_classes)
 
     def init(self, key: jax.Array, input_shape: tuple[int, ...]) -> Params:

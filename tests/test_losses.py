@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from pfedkdh_jax import losses
@@ -134,3 +135,35 @@ def test_backbone_pooling_form_follows_the_backend(monkeypatch, backend, split):
         np.testing.assert_allclose(g[0, :, :, 0], [[1.0, 1.0], [0.0, 1.0]])
     else:  # select_and_scatter: all of it to one of them
         assert sorted(g.ravel().tolist()) == [0.0, 0.0, 0.0, 3.0]
+
+
+def test_patch_conv_form_has_the_same_parameters_values_and_gradients():
+    """The matmul-over-patches convolution: the same parameters as nn.Conv from the same key, the
+    same outputs and gradients, also vmapped over per-member weights (where nn.Conv becomes a grouped
+    convolution and the patch form a batched matmul)."""
+    from pfedkdh_jax.model import CNN, patch_matmul_conv
+
+    x = jax.random.normal(jax.random.key(1), (3, 16, 16, 3))   # the smallest input the CNN takes
+    k = jax.random.normal(jax.random.key(2), (5, 5, 3, 4))
+    want = jax.lax.conv_general_dilated(x, k, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    np.testing.assert_allclose(patch_matmul_conv(x, k), want, rtol=1e-4, atol=1e-4)
+    lax_model, patch_model = CNN(10), CNN(10, conv_form="patches")
+    p = lax_model.init(jax.random.key(0), (16, 16, 3))
+    q = patch_model.init(jax.random.key(0), (16, 16, 3))
+    assert jax.tree_util.tree_structure(p) == jax.tree_util.tree_structure(q)
+    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)):
+        np.testing.assert_array_equal(a, b)
+    y = jnp.arange(3) % 10
+
+    def loss(model):
+        return lambda params, xb: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(model.logits(params, xb), y))
+    members = jax.tree_util.tree_map(lambda a: jnp.stack([a, 1.1 * a]), p)   # per-member weights [2, ...]
+    xs = jnp.stack([x, -x])
+    for form in (lambda f: f, jax.vmap):
+        args = (p, x) if form is not jax.vmap else (members, xs)
+        (la, ga), (lb, gb) = (jax.jit(form(jax.value_and_grad(loss(m))))(*args) for m in (lax_model, patch_model))
+        np.testing.assert_allclose(la, lb, rtol=1e-5)
+        for a, b in zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="conv_form"):
+        CNN(10, conv_form="fft")

@@ -43,6 +43,13 @@ def may_be_nonzero(value) -> bool:
     return not isinstance(value, (int, float)) or value != 0
 
 
+def cnn(cfg, num_classes: int) -> CNN:
+    """The run's model: method.md's CNN with ``cfg.dropout`` and ``cfg.conv_form`` (``auto``, not
+    resolved by the run for its layout, is XLA's convolution)."""
+    form = getattr(cfg, "conv_form", "auto")
+    return CNN(num_classes, cfg.dropout, "lax" if form == "auto" else form)
+
+
 def local_config(cfg) -> dict:
     """The shared budget's fields from a :class:`~pfedkdh_jax.run.config.RunConfig`."""
     return dict(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs)

@@ -114,4 +114,4 @@ class Ditto(Algorithm):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> Ditto:
-    return Ditto(CNN(num_classes, cfg.dropout), DittoConfig(**C.local_config(cfg), lam=args["lam"]))
+    return Ditto(C.cnn(cfg, num_classes), DittoConfig(**C.local_config(cfg), lam=args["lam"]))

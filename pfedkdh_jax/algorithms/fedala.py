@@ -192,6 +192,6 @@ class FedALA(Algorithm):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedALA:
-    return FedALA(CNN(num_classes, cfg.dropout), FedALAConfig(
+    return FedALA(C.cnn(cfg, num_classes), FedALAConfig(
         **C.local_config(cfg), eta=args["eta"], rand_percent=args["rand_percent"],
         start_epochs=args["start_epochs"]))

@@ -79,4 +79,4 @@ class FedAvg(Algorithm):
 def from_config(cfg, num_classes: int, args: dict) -> FedAvg:
     """FedAvg with the run's shared budget (no method options)."""
     del args
-    return FedAvg(CNN(num_classes, cfg.dropout), C.LocalConfig(**C.local_config(cfg)))
+    return FedAvg(C.cnn(cfg, num_classes), C.LocalConfig(**C.local_config(cfg)))

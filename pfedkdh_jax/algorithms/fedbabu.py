@@ -114,5 +114,5 @@ class FedBABU(FedAvg):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedBABU:
     """FedBABU with the run's shared budget; ``args``: ``finetune_epochs``, ``finetune_part``."""
-    return FedBABU(CNN(num_classes, cfg.dropout), FedBABUConfig(
+    return FedBABU(C.cnn(cfg, num_classes), FedBABUConfig(
         **C.local_config(cfg), finetune_epochs=args["finetune_epochs"], finetune_part=args["finetune_part"]))

@@ -349,6 +349,6 @@ def gather_with_pool(data: FederatedData, idx: jax.Array, ctx: dict):
 def from_config(cfg, num_classes: int, args: dict) -> FedFed:
     """FedFed with the run's shared budget; ``args['feature_rounds']``: phase A's rounds (below the
     run's, checked by the registry)."""
-    return FedFed(CNN(num_classes, cfg.dropout),
+    return FedFed(C.cnn(cfg, num_classes),
                   FedFedConfig(**C.local_config(cfg), feature_rounds=args["feature_rounds"],
                                vae_width=args["vae_width"]))

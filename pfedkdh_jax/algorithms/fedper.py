@@ -79,4 +79,4 @@ class FedPer(Algorithm):
 def from_config(cfg, num_classes: int, args: dict) -> FedPer:
     """FedPer with the run's shared budget (no method options)."""
     del args
-    return FedPer(CNN(num_classes, cfg.dropout), C.LocalConfig(**C.local_config(cfg)))
+    return FedPer(C.cnn(cfg, num_classes), C.LocalConfig(**C.local_config(cfg)))

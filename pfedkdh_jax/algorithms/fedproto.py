@@ -173,5 +173,5 @@ class FedProto(Algorithm):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedProto:
-    return FedProto(CNN(num_classes, cfg.dropout), FedProtoConfig(
+    return FedProto(C.cnn(cfg, num_classes), FedProtoConfig(
         **C.local_config(cfg), lam=args["lam"], proto_weighting=args["proto_weighting"]))

@@ -59,4 +59,4 @@ class FedProx(FedAvg):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedProx:
     """FedProx with the run's shared budget; ``args['mu']`` is μ."""
-    return FedProx(CNN(num_classes, cfg.dropout), FedProxConfig(**C.local_config(cfg), mu=args["mu"]))
+    return FedProx(C.cnn(cfg, num_classes), FedProxConfig(**C.local_config(cfg), mu=args["mu"]))

@@ -113,5 +113,5 @@ class FedRep(FedPer):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedRep:
     """FedRep with the run's shared budget; ``args['head_epochs']`` head epochs per round."""
-    return FedRep(CNN(num_classes, cfg.dropout),
+    return FedRep(C.cnn(cfg, num_classes),
                   FedRepConfig(**C.local_config(cfg), head_epochs=args["head_epochs"]))

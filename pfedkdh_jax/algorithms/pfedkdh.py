@@ -312,7 +312,7 @@ class PFedKDH(Algorithm):
 def from_config(cfg, num_classes: int, args: dict) -> PFedKDH:
     """pFedKDH from a :class:`~pfedkdh_jax.run.config.RunConfig` (its hyperparameters are run options)."""
     del args
-    return PFedKDH(CNN(num_classes, cfg.dropout), PFedKDHConfig(
+    return PFedKDH(C.cnn(cfg, num_classes), PFedKDHConfig(
         **C.local_config(cfg), lam=cfg.lam, temperature=cfg.temperature, mu=cfg.mu,
         teacher_epochs=cfg.teacher_epochs, teacher_warm_start=cfg.teacher_warm_start,
         teacher_refit_at_start=cfg.teacher_refit_at_start, warmup_epochs=cfg.warmup_epochs,

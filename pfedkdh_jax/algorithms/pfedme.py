@@ -138,6 +138,6 @@ class PFedMe(Algorithm):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> PFedMe:
-    return PFedMe(CNN(num_classes, cfg.dropout), PFedMeConfig(
+    return PFedMe(C.cnn(cfg, num_classes), PFedMeConfig(
         **C.local_config(cfg), lam=args["lam"], inner_steps=args["inner_steps"],
         personal_lr=args["personal_lr"], beta=args["beta"]))

@@ -180,5 +180,5 @@ class PFedSim(Algorithm):
 
 def from_config(cfg, num_classes: int, args: dict) -> PFedSim:
     """pFedSim with the run's shared budget; ``args['warmup']``: R_w (fraction of the rounds, or a count)."""
-    return PFedSim(CNN(num_classes, cfg.dropout),
+    return PFedSim(C.cnn(cfg, num_classes),
                    PFedSimConfig(**C.local_config(cfg), rounds=cfg.rounds, warmup=args["warmup"]))

@@ -64,9 +64,10 @@ def prepare_data(cfg: RunConfig, pool: data_lib.Pool | None = None) -> tuple[dat
     return pool, part, data_lib.partition_summary(part, pool.labels, pool.num_classes)
 
 
-def make_algorithm(cfg: RunConfig, num_classes: int):
-    """The algorithm of ``cfg.method`` (see :mod:`pfedkdh_jax.algorithms`)."""
-    return algorithms.build(cfg, num_classes)
+def make_algorithm(cfg: RunConfig, num_classes: int, conv_form: str | None = None):
+    """The algorithm of ``cfg.method`` (see :mod:`pfedkdh_jax.algorithms`); ``conv_form``: the
+    resolved form of its model's convolutions (:func:`resolved_conv_form`; None: ``cfg``'s)."""
+    return algorithms.build(dataclasses.replace(cfg, conv_form=conv_form) if conv_form else cfg, num_classes)
 
 
 def default_out_dir(cfg: RunConfig) -> str:
@@ -191,13 +192,14 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
         part_summaries.append(part_summary)
         ckpts.append(ck)
     datas = [build_federated_data(pool, part, eval_chunk=cfg.eval_chunk) for part in parts]
-    algo = make_algorithm(cfg, pool.num_classes)
     layout = engine_layout(cfg)
     members = [(i, c.seed + r) for i, c in enumerate(cfgs) for r in range(c.reps)]
     batched = len(members) > 1 and resolved_reps_mode(cfg) == "vmap"
+    conv_form = resolved_conv_form(cfg, layout, batched)
+    algo = make_algorithm(cfg, pool.num_classes, conv_form)
     varied = _varied(cfgs)
     # the algorithm of each run (its own hyperparameter values) and, batched, the values per repetition
-    algos = [make_algorithm(c, pool.num_classes) for c in cfgs] if varied else [algo] * len(cfgs)
+    algos = [make_algorithm(c, pool.num_classes, conv_form) for c in cfgs] if varied else [algo] * len(cfgs)
     hparams = ({f: jnp.asarray([getattr(cfgs[i], f) for i, _ in members], jnp.float32) for f in varied}
                if varied and batched else None)
     if len({(c.alpha, c.data_seed) for c in cfgs}) > 1:   # one partition per repetition, padded to one shape
@@ -423,6 +425,19 @@ def engine_layout(cfg: RunConfig) -> Layout:
         raise ConfigError(f"--lanes {cfg.lanes} needs --client-parallel vmap --step-loop scan (this run has "
                           f"{layout.client_parallel} + {layout.step_loop}, the {jax.default_backend()} default "
                           "where not given)") from None
+
+
+def resolved_conv_form(cfg: RunConfig, layout: Layout, batched: bool) -> str:
+    """``lax`` or ``patches`` for the model's convolutions. auto: the matmul over patches where weights
+    of their own per member are vmapped (clients vmapped, or repetitions / stacked runs) on a CPU —
+    a vmapped convolution is a grouped one there, and a training step of 10 vmapped members ran
+    1.12× (MNIST) / 1.15× (CIFAR-10) faster as batched matmuls — and XLA's convolution elsewhere (on
+    one member it is 1.25–1.4× faster on a CPU; on a GPU not measured yet: BENCHMARKS.md, "Convolution
+    form")."""
+    if cfg.conv_form != "auto":
+        return cfg.conv_form
+    vmapped = layout.client_parallel == "vmap" or batched
+    return "patches" if vmapped and jax.default_backend() == "cpu" else "lax"
 
 
 def resolved_reps_mode(cfg: RunConfig) -> str:
