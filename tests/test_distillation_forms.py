@@ -78,6 +78,10 @@ def test_adaptive_gate_is_one_batch_weight_that_falls_as_the_student_overtakes_t
     _, trust = algo.transfer(jnp.asarray(student), jnp.asarray(teacher), jnp.asarray(y), None,
                              jnp.array([1.0, 0.0]))
     np.testing.assert_allclose(trust, [2 / 3, 2 / 3], atol=1e-6)
+    # a student that leaves no gap gets no distillation, even from an equally sure teacher
+    sure = np.log(np.array([[1.0, 1e-30, 1e-30], [1e-30, 1.0, 1e-30]]))
+    _, trust = _transfer("plain", "adaptive", sure, sure, y)
+    np.testing.assert_allclose(trust, [0, 0])
     # no gradient flows through the weight
     g = jax.grad(lambda s: _transfer("plain", "adaptive", s, teacher, y)[1].sum())(jnp.asarray(student))
     np.testing.assert_array_equal(np.asarray(g), 0.0)

@@ -228,8 +228,9 @@ class PFedKDH(Algorithm):
             valid = jnp.ones_like(kd) if mask is None else mask.astype(kd.dtype)
             p_s = losses.true_class_probability(jax.lax.stop_gradient(student), y)
             gap_t, gap_s = (losses.masked_mean(1.0 - p, valid) for p in (p_t, p_s))
-            # share of the student's gap the teacher closes: (p̄_g − p̄_k) / (1 − p̄_k) = 1 − gap_g / gap_k
-            share = jnp.clip(1.0 - gap_t / jnp.maximum(gap_s, 1e-6), 0.0, 1.0)
+            # share of the student's gap the teacher closes: (p̄_g − p̄_k) / (1 − p̄_k); 0 when the
+            # student leaves no gap
+            share = jnp.clip((gap_s - gap_t) / jnp.maximum(gap_s, 1e-6), 0.0, 1.0)
             trust = jnp.broadcast_to(share, kd.shape)
         return kd, trust
 
