@@ -1,7 +1,7 @@
 """Atomic checkpoints of a run, with fall-back to the previous good one.
 
-Layout: ``RUN_DIR/checkpoints/round_000012/{state/leaves.npz, meta.json}``. A checkpoint is written under a
-temporary name and renamed into place only once complete, so a process killed mid-save leaves no
+Layout: ``RUN_DIR/checkpoints/round_000012/{state/leaves.npz, meta.json}``. A checkpoint is written
+under a temporary name and renamed into place only once complete, so a process killed mid-save leaves no
 half checkpoint under a real name (leftover temporaries are removed on the next save). ``meta.json``
 holds the round, the run's fingerprint (config and partition hashes) and the metrics rows so far;
 the state pytree (server state, every client's persistent state, optimizer states) is a host pytree
@@ -9,8 +9,8 @@ whose leaves go, in flattening order, into one ``.npz`` (its structure is the ru
 checks every leaf's shape and dtype against it). Each process writes only its own runs' files, so
 a sweep split over the processes of a ``jax.distributed`` job checkpoints as a single process does
 (orbax, used before, writes numpy leaves from process 0 alone there); checkpoints written by orbax
-(a ``state/`` folder without ``leaves.npz``) are still read. The random keys of a run are derived from its seeds and the round number, so the round
-counter restores them exactly.
+(a ``state/`` folder without ``leaves.npz``) are still read. The random keys of a run are derived
+from its seeds and the round number, so the round counter restores them exactly.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ import numpy as np
 
 PREFIX = "round_"
 # Settings that may differ between the run that wrote a checkpoint and the one resuming it.
-# client_devices: the same compiled code on other devices of the host (the same numbers)
-_NOT_FINGERPRINTED = ("out", "data_dir", "cache_dir", "rounds", "eval_chunk", "client_devices")
+# client_devices: the same compiled code on other devices of the host (the same numbers);
+# conv_form: the same model computed another way (the same numbers up to float rounding; and runs
+# checkpointed before the option existed stay resumable)
+_NOT_FINGERPRINTED = ("out", "data_dir", "cache_dir", "rounds", "eval_chunk", "client_devices", "conv_form")
 
 
 class CheckpointError(RuntimeError):
@@ -125,7 +127,6 @@ class Checkpoints:
                 continue
             return int(meta["round"]), state, list(meta["history"])
         return None
-
 
 
 LEAVES = "leaves.npz"
