@@ -48,25 +48,23 @@ def useful_flops(sweep_dir: str) -> tuple[float, int]:
     from benchmarks import model_flops
 
     from pfedkdh_jax.engine.runner import sample_schedule
-    from pfedkdh_jax.run.experiment import streams
+    from pfedkdh_jax.run.experiment import load_run_config, streams
 
     flops = samples = 0.0
     for point in sorted(glob.glob(os.path.join(sweep_dir, "points", "*"))):
-        with open(os.path.join(point, "config.json")) as f:
-            cfg = json.load(f)
+        cfg = load_run_config(point)
         with open(os.path.join(point, "summary.json")) as f:
             summary = json.load(f)
         with open(os.path.join(point, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         sizes = np.asarray(summary["partition"]["train_sizes"])
-        shape = {"cifar10": (32, 32, 3)}.get(cfg["dataset"], (28, 28, 1))
-        per = model_flops(shape)["pfedkdh_step" if cfg.get("lam", 0) > 0 else "train"]
-        seeds = [r["seed"] for r in summary.get("repetitions", [])] or [cfg["seed"]]
+        shape = {"cifar10": (32, 32, 3)}.get(cfg.dataset, (28, 28, 1))
+        per = model_flops(shape)["pfedkdh_step" if cfg.method == "pfedkdh" and cfg.lam > 0 else "train"]
+        seeds = [r["seed"] for r in summary.get("repetitions", [])] or [cfg.seed]
         steps = 0
         for seed in seeds:   # each repetition's own client schedule, as the run drew it
-            sched = sample_schedule(streams(seed)["sampling"], len(rows), cfg["num_clients"],
-                                    max(1, int(round(cfg["participation"] * cfg["num_clients"]))))
-            steps += cfg["local_epochs"] * int(sizes[sched].sum())
+            sched = sample_schedule(streams(seed)["sampling"], len(rows), cfg.num_clients, cfg.clients_per_round)
+            steps += cfg.local_epochs * int(sizes[sched].sum())
         samples += steps
         flops += steps * per
     return flops, int(samples)

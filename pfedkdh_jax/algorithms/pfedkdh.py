@@ -229,8 +229,7 @@ class PFedKDH(Algorithm):
         else:  # "adaptive"
             valid = jnp.ones_like(kd) if mask is None else mask.astype(kd.dtype)
             p_s = losses.true_class_probability(jax.lax.stop_gradient(student), y)
-            gap_t, gap_s = (losses.masked_mean(1.0 - p, valid) for p in (p_t, p_s))
-            margin = jnp.maximum(gap_s - gap_t, 0.0)   # = max(0, p̄_g − p̄_k)
+            margin = jnp.maximum(losses.masked_mean(p_t - p_s, valid), 0.0)   # max(0, p̄_g − p̄_k)
             trust = jnp.broadcast_to(margin, kd.shape)
         return kd, trust
 

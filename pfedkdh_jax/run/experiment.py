@@ -447,8 +447,8 @@ def resolved_reps_mode(cfg: RunConfig) -> str:
     return "sequential" if jax.default_backend() == "cpu" else "vmap"
 
 
-def resume(run_dir: str, *, progress: bool = True, log=print, **overrides) -> dict[str, Any]:
-    """Continue the run in ``run_dir`` with the config stored there."""
+def load_run_config(run_dir: str, **overrides) -> RunConfig:
+    """The :class:`RunConfig` stored in ``run_dir``/config.json (with ``overrides``; ``out`` = ``run_dir``)."""
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
         raise CheckpointError(f"{run_dir} is not a run directory (no config.json)")
@@ -458,6 +458,11 @@ def resume(run_dir: str, *, progress: bool = True, log=print, **overrides) -> di
     values = {k: v for k, v in stored.items() if k in fields}
     values["method_args"] = tuple(tuple(p) for p in values.get("method_args", ()))
     values.update(overrides, out=run_dir)
-    return run(RunConfig(**values), progress=progress, log=log, resume=True)
+    return RunConfig(**values)
+
+
+def resume(run_dir: str, *, progress: bool = True, log=print, **overrides) -> dict[str, Any]:
+    """Continue the run in ``run_dir`` with the config stored there."""
+    return run(load_run_config(run_dir, **overrides), progress=progress, log=log, resume=True)
 
 
