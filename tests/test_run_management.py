@@ -190,3 +190,26 @@ def test_checkpoint_files_hold_the_state_and_refuse_another_shape(tmp_path):
     saver.wait_until_finished()
     rnd, got, _ = ck.restore_latest(state)
     assert rnd == 3 and np.array_equal(got["w"], state["w"] + 1)
+
+
+def test_eval_seconds_median_counts_only_the_rounds_that_evaluated():
+    """With --eval-every 3 most rows carry no evaluation (eval_seconds ≈ 0): the summary's median is
+    over the evaluating rows, the first of them (which compiles) left out when there are others."""
+    import types
+
+    from pfedkdh_jax.engine.layout import Layout
+    from pfedkdh_jax.run import records
+
+    cfg = make_config("default", rounds=6, eval_every=3)
+    runner = types.SimpleNamespace(layout=Layout(), traces={})
+    history = []
+    for t in range(1, 7):
+        row = {"round": t, "train_loss": 0.5, "train_seconds": 2.0, "eval_seconds": 1e-4, "seconds": 2.0}
+        if t % 3 == 0:
+            row.update(eval_seconds={3: 9.0, 6: 1.5}[t], personalized_macro_accuracy=0.5)
+        history.append(row)
+    summary = records.summary(cfg, history, {}, runner, status="completed")
+    assert summary["evaluations"] == 2
+    assert summary["eval_seconds_median"] == 1.5
+    alone = records.summary(cfg, history[:3], {}, runner, status="completed")
+    assert (alone["evaluations"], alone["eval_seconds_median"]) == (1, 9.0)

@@ -111,7 +111,11 @@ def summary(cfg, history: list[dict], part_summary: dict, runner,
     later = secs[1:] or secs
     summary["seconds_per_round"] = statistics.median(later) if later else None
     summary["train_seconds_per_round"] = summary["seconds_per_round"]
-    summary["eval_seconds_median"] = statistics.median([r["eval_seconds"] for r in history[1:]] or [0.0])
+    # over the rounds that evaluated (not every round does, with --eval-every); the first evaluation
+    # also compiles the evaluation pieces, so it counts only when it is the only one
+    evals = [r["eval_seconds"] for r in history if any(k.endswith("_accuracy") for k in r)]
+    summary["eval_seconds_median"] = statistics.median(evals[1:] or evals) if evals else 0.0
+    summary["evaluations"] = len(evals)
     summary["first_round_seconds"] = secs[0] if secs else None
     summary["compile_seconds"] = max(0.0, secs[0] - summary["seconds_per_round"]) if secs else None
     summary["engine"] = dataclasses.asdict(runner.layout)
