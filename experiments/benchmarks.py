@@ -15,6 +15,8 @@ Sections (each can be run alone with --only):
           the model uses on CPU);
   convforms  a training step of 1 and 10 members with weights of their own, vmapped, with XLA's
           convolution (grouped once vmapped) and with the matmul over patches (batched once vmapped);
+  convops each convolution of a training step alone (forward, input and weight gradients of both
+          layers) with XLA and, when installed, PyTorch, and two rewrites of the gradients;
   methods accuracy and round times of pFedKDH and every baseline, read from finished MNIST
           paper-preset runs (``--runs-glob``; the runs themselves are listed in BENCHMARKS.md).
 
@@ -199,6 +201,102 @@ def bench_conv_forms(members=(1, 10), steps=4, repeats=5, batch=64) -> str:
             a, b = (statistics.median(rates[f]) for f in ("lax", "patches"))
             lines.append(f"| {name} | {m} | {a:.0f} | {b:.0f} | {b / a:.2f}× |")
             print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def bench_conv_ops(repeats=15, batch=64) -> str:
+    """Each convolution of one training step alone — forward, input gradient (``dgrad``), weight
+    gradient (``wgrad``) of both layers, MNIST and CIFAR-10 shapes, batch 64 — as XLA computes it
+    with the engine's local-training options, next to PyTorch's (NCHW, ``aten.convolution_backward``)
+    when it is installed (``pip install -e '.[bench]'``), in the same process. Also two rewrites
+    that XLA could run faster in principle: the input gradient as a forward convolution of the
+    zero-padded output gradient with the flipped kernel (``flip``), and the weight gradient as a
+    forward convolution with the channels as batch (``swap``). GFLOP/s counts the useful
+    multiply-adds (×2): the input gradient of conv2 as XLA computes it also multiplies the padding
+    zeros (14×14 instead of 10×10 windows on CIFAR-10). Interleaved repeats, median."""
+    from jax import lax
+
+    from pfedkdh_jax.engine.layout import local_training_compiler_options
+
+    dn = ("NHWC", "HWIO", "NHWC")
+    conv = lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=dn)  # noqa: E731
+    forms = {
+        "fwd": lambda x, w, g: conv(x, w),
+        "dgrad": lambda x, w, g: jax.vjp(lambda a: conv(a, w), x)[1](g)[0],
+        "dgrad flip": lambda x, w, g: lax.conv_general_dilated(
+            jnp.pad(g, ((0, 0), (4, 4), (4, 4), (0, 0))), jnp.transpose(w[::-1, ::-1], (0, 1, 3, 2)),
+            (1, 1), "VALID", dimension_numbers=dn),
+        "wgrad": lambda x, w, g: jax.vjp(lambda v: conv(x, v), w)[1](g)[0],
+        "wgrad swap": lambda x, w, g: jnp.transpose(
+            conv(jnp.transpose(x, (3, 1, 2, 0)), jnp.transpose(g, (1, 2, 0, 3))), (1, 2, 0, 3)),
+    }
+    try:
+        import torch
+        torch.set_num_threads(os.cpu_count() or 1)
+    except ImportError:
+        torch = None
+    options = local_training_compiler_options()
+    lines = ["| input | layer | operation | XLA, ms | XLA, GFLOP/s | PyTorch, ms | XLA / PyTorch |",
+             "|---|---|---|---|---|---|---|"]
+    rng = np.random.default_rng(0)
+    for name, (h, w_, c) in SHAPES.items():
+        h1 = h - 4
+        layers = {"conv1": (h, c, 32), "conv2": (h1 // 2, 32, 64)}
+        for layer, (size, cin, cout) in layers.items():
+            out = size - 4
+            x = rng.normal(size=(8, batch, size, size, cin)).astype(np.float32)
+            kern = rng.normal(size=(5, 5, cin, cout)).astype(np.float32)
+            g = rng.normal(size=(8, batch, out, out, cout)).astype(np.float32)
+            flops = 2 * batch * out * out * cout * 25 * cin
+            ops = [o for o in forms if layer == "conv2" or not o.startswith("dgrad")]  # conv1's input needs none
+            fns = {}
+            for op in ops:
+                fn = forms[op]
+                fns[op] = jax.jit(lambda x, w, g, fn=fn: [fn(x[i], w, g[i]) for i in range(8)],
+                                  compiler_options=options)
+                ref = forms[op.split()[0]](x[0], kern, g[0])
+                got = fns[op](x, kern, g)[0]
+                assert np.allclose(got, ref, rtol=1e-3, atol=1e-3 * float(np.abs(ref).max())), (name, layer, op)
+            if torch is not None:
+                tx = [torch.from_numpy(np.ascontiguousarray(a.transpose(0, 3, 1, 2))) for a in x]
+                tg = [torch.from_numpy(np.ascontiguousarray(a.transpose(0, 3, 1, 2))) for a in g]
+                tw = torch.from_numpy(np.ascontiguousarray(kern.transpose(3, 2, 0, 1)))
+                mask = {"fwd": None, "dgrad": [True, False, False], "wgrad": [False, True, False]}
+
+                def torch_op(op, tx=tx, tg=tg, tw=tw):
+                    with torch.no_grad():
+                        for i in range(8):
+                            if mask[op] is None:
+                                torch.nn.functional.conv2d(tx[i], tw)
+                            else:
+                                torch.ops.aten.convolution_backward(tg[i], tx[i], tw, None, [1, 1], [0, 0], [1, 1],
+                                                                    False, [0, 0], 1, mask[op])
+            times = {op: [] for op in ops}
+            ttimes = {op: [] for op in ops if op in ("fwd", "dgrad", "wgrad")} if torch is not None else {}
+            for op in ops:
+                jax.block_until_ready(fns[op](x, kern, g))
+                if op in ttimes:
+                    torch_op(op)
+            # XLA's repeats and PyTorch's in separate blocks: PyTorch's OpenMP threads keep spinning for
+            # a while after an operation, which would slow an XLA call that follows at once
+            for _ in range(3):
+                for _ in range(repeats // 3):
+                    for op in ops:
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(fns[op](x, kern, g))
+                        times[op].append((time.perf_counter() - t0) / 8)
+                for _ in range(repeats // 3):
+                    for op in ttimes:
+                        t0 = time.perf_counter()
+                        torch_op(op)
+                        ttimes[op].append((time.perf_counter() - t0) / 8)
+                time.sleep(0.5)   # let PyTorch's threads go idle before XLA's next block
+            for op in ops:
+                t = statistics.median(times[op])
+                tt = statistics.median(ttimes[op]) if op in ttimes else None
+                lines.append(f"| {name} | {layer} | {op} | {t * 1e3:.2f} | {flops / t / 1e9:.0f} | "
+                             + (f"{tt * 1e3:.2f} | {t / tt:.2f}× |" if tt else "– | – |"))
+                print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
@@ -458,6 +556,8 @@ def main() -> None:
                             bench_pooling),
                 "convforms": ("Convolution form with per-member weights (training steps of 64, vmapped members)",
                               bench_conv_forms),
+                "convops": ("Each convolution of a training step alone (batch 64), XLA next to PyTorch",
+                            bench_conv_ops),
                 "methods": ("Methods on MNIST, α = 0.1, paper preset (one repetition, seed 0)",
                             lambda: bench_methods(args.runs_glob))}
     for name in args.only.split(","):
