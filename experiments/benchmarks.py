@@ -213,7 +213,8 @@ def bench_conv_ops(repeats=15, batch=64) -> str:
     zero-padded output gradient with the flipped kernel (``flip``), and the weight gradient as a
     forward convolution with the channels as batch (``swap``). GFLOP/s counts the useful
     multiply-adds (×2): the input gradient of conv2 as XLA computes it also multiplies the padding
-    zeros (14×14 instead of 10×10 windows on CIFAR-10). Interleaved repeats, median."""
+    zeros (14×14 instead of 10×10 windows on CIFAR-10). XLA's operations interleaved, PyTorch's (one
+    intra-op thread per core) in blocks of their own; median of ``repeats``."""
     from jax import lax
 
     from pfedkdh_jax.engine.layout import local_training_compiler_options
@@ -239,7 +240,7 @@ def bench_conv_ops(repeats=15, batch=64) -> str:
     lines = ["| input | layer | operation | XLA, ms | XLA, GFLOP/s | PyTorch, ms | XLA / PyTorch |",
              "|---|---|---|---|---|---|---|"]
     rng = np.random.default_rng(0)
-    for name, (h, w_, c) in SHAPES.items():
+    for name, (h, _, c) in SHAPES.items():
         h1 = h - 4
         layers = {"conv1": (h, c, 32), "conv2": (h1 // 2, 32, 64)}
         for layer, (size, cin, cout) in layers.items():
