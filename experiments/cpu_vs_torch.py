@@ -6,8 +6,10 @@ default), with **all 20 clients every round**, so both do the same sample-steps:
 (CIFAR-10) epochs, batch 64, lr 0.015, the CNN of method.md §1, no evaluation. PyTorch runs its
 usual sequential client loop with a ``DataLoader`` per client and round
 (``experiments/torch_reference.py``), on ``--threads`` intra-op threads; JAX runs the engine's
-layout for this backend (``Layout()``, or the flags below). Also timed: one training step
-of batch 64 alone (forward, backward, SGD) in each framework.
+layout for this backend (``Layout()``, or the flags below). After a first round each (JAX's
+compiles), the two take turns a round at a time, so both see the machine in the same state; the
+ratio is the median of the rounds' JAX / PyTorch ratios. Also timed: one training step of batch 64
+alone (forward, backward, SGD) in each framework.
 
     pip install -e '.[bench]'
     python experiments/cpu_vs_torch.py --data-dir ../shared/data/tfds --write runs/cpu_vs_torch.md
@@ -28,7 +30,8 @@ import numpy as np
 WORK = {"mnist": (0.1, 2), "cifar10": (0.05, 3)}  # dataset -> (α, E)
 
 
-def torch_side(pool, part, epochs: int, rounds: int, threads: int) -> dict:
+def torch_side(pool, part, epochs: int, threads: int):
+    """(step samples/s, a function that runs one round) of the PyTorch reference."""
     import torch
 
     from torch_reference import FedPerReference, TorchCNN, client_tensors, local_train
@@ -45,15 +48,11 @@ def torch_side(pool, part, epochs: int, rounds: int, threads: int) -> dict:
     steps = local_train(model, xb, yb, epochs=2)
     step_rate = steps * 64 / (time.perf_counter() - t0)
     ref = FedPerReference(pool.num_classes, c, h, clients)
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        ref.round(range(len(clients)), epochs)
-        times.append(time.perf_counter() - t0)
-    return {"step_samples_per_s": step_rate, "round_seconds": times}
+    return step_rate, lambda: ref.round(range(len(clients)), epochs)
 
 
-def jax_side(cfg, pool, part, rounds: int) -> dict:
+def jax_side(cfg, pool, part):
+    """(facts of the engine, a function that runs one round) of pfedkdh_jax."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -70,12 +69,12 @@ def jax_side(cfg, pool, part, rounds: int) -> dict:
     runner = RoundRunner(algo, data, engine)
     state = algo.init(jax.random.key(0), data)
     everyone = np.arange(data.num_clients)
-    times = []
-    for r in range(rounds + 1):  # the first round compiles
-        t0 = time.perf_counter()
-        state, _ = runner.round(state, data, everyone, jax.random.key(100 + r))
-        jax.block_until_ready(state)
-        times.append(time.perf_counter() - t0)
+    box = {"state": state, "r": 0}
+
+    def one_round():
+        box["state"], _ = runner.round(box["state"], data, everyone, jax.random.key(100 + box["r"]))
+        jax.block_until_ready(box["state"])
+        box["r"] += 1
 
     # one step of batch 64, alone (the model's training step, unrolled 8 to a compiled call)
     model = CNN(pool.num_classes)
@@ -103,11 +102,16 @@ def jax_side(cfg, pool, part, rounds: int) -> dict:
     from pfedkdh_jax.engine.layout import local_training_compiler_options
     return {"step_samples_per_s": step_rate(local_training_compiler_options()),  # as the engine compiles
             "step_samples_per_s_xla_defaults": step_rate(None),
-            "round_seconds": times[1:], "first_round_seconds": times[0],
             "engine": f"{engine.client_parallel} + {engine.step_loop}"
                       + (f" (chunk {engine.chunk_steps})" if engine.step_loop == "unrolled" else "")
                       + (f", {engine.client_devices} devices" if engine.client_devices > 1 else ""),
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}, one_round
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -141,24 +145,38 @@ def main() -> None:
         pool, part, _ = prepare_data(cfg)
         sample_steps = epochs * sum(len(t) for t in part.train_idx)
         row = {"dataset": dataset, "alpha": alpha, "epochs": epochs, "sample_steps": sample_steps}
+        sides = {}
         if args.only != "jax":
-            row["torch"] = torch_side(pool, part, epochs, args.rounds, args.threads)
+            rate, sides["torch"] = torch_side(pool, part, epochs, args.threads)
+            row["torch"] = {"step_samples_per_s": rate, "first_round_seconds": timed(sides["torch"])}
         if args.only != "torch":
-            row["jax"] = jax_side(cfg, pool, part, args.rounds)
+            row["jax"], sides["jax"] = jax_side(cfg, pool, part)
+            row["jax"]["first_round_seconds"] = timed(sides["jax"])   # compiles
+        for side in sides:
+            row[side]["round_seconds"] = []
+        # the frameworks take turns, a round each, so that both see the machine as it is at the time
+        # (its speed drifts by up to 1.4× within an hour); a short pause lets the other's threads idle
+        for _ in range(args.rounds):
+            for side, fn in sides.items():
+                time.sleep(1.0)
+                row[side]["round_seconds"].append(timed(fn))
+        if len(sides) == 2:
+            row["ratios"] = [j / t for t, j in zip(row["torch"]["round_seconds"], row["jax"]["round_seconds"])]
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    lines = ["| work | PyTorch reference, FedPer | pfedkdh_jax, FedPer | ratio (JAX / PyTorch round time) |"
-             " step of batch 64, samples/s: PyTorch / JAX |",
+    lines = ["| work | PyTorch reference, FedPer | pfedkdh_jax, FedPer "
+             "| ratio (JAX / PyTorch round time, median of the turns) | step of batch 64, samples/s: PyTorch / JAX |",
              "|---|---|---|---|---|"]
     for r in rows:
         t = statistics.median(r["torch"]["round_seconds"]) if "torch" in r else None
         j = statistics.median(r["jax"]["round_seconds"]) if "jax" in r else None
+        ratio = statistics.median(r["ratios"]) if "ratios" in r else None
         name = {"mnist": "MNIST", "cifar10": "CIFAR-10"}[r["dataset"]]
         lines.append(
             f"| {name} α = {r['alpha']:g}, E = {r['epochs']}, {r['sample_steps'] / 1000:.1f}k sample-steps a round "
             f"| {f'{t:.1f} s' if t else '–'} | {f'{j:.1f} s' if j else '–'}"
-            f"{' (' + r['jax']['engine'] + ')' if j else ''} | {f'{j / t:.2f}×' if t and j else '–'} "
+            f"{' (' + r['jax']['engine'] + ')' if j else ''} | {f'{ratio:.2f}×' if ratio else '–'} "
             f"| {r['torch']['step_samples_per_s']:.0f} / {r['jax']['step_samples_per_s']:.0f} |"
             if t and j else f"| {name} | {t} | {j} | – | – |")
     table = "\n".join(lines)
