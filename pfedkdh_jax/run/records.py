@@ -113,7 +113,7 @@ def summary(cfg, history: list[dict], part_summary: dict, runner,
     summary["train_seconds_per_round"] = summary["seconds_per_round"]
     # over the rounds that evaluated (not every round does, with --eval-every); the first evaluation
     # also compiles the evaluation pieces, so it counts only when it is the only one
-    evals = [r["eval_seconds"] for r in history if any(k.endswith("_accuracy") for k in r)]
+    evals = [r["eval_seconds"] for r in history if evaluated(r)]
     summary["eval_seconds_median"] = statistics.median(evals[1:] or evals) if evals else 0.0
     summary["evaluations"] = len(evals)
     summary["first_round_seconds"] = secs[0] if secs else None
@@ -129,17 +129,22 @@ def summary(cfg, history: list[dict], part_summary: dict, runner,
     return summary
 
 
+def evaluated(row: dict) -> bool:
+    """Whether a metrics row comes from a round that evaluated (not every round does: --eval-every)."""
+    return "personalized_macro_accuracy" in row
+
+
 def metric_summary(history: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    evaluated = [r for r in history if "personalized_macro_accuracy" in r]
+    rows_evaluated = [r for r in history if evaluated(r)]
     for key in METRIC_KEYS + EA_KEYS:
-        rows = [r for r in evaluated if key in r and math.isfinite(r[key])]
+        rows = [r for r in rows_evaluated if key in r and math.isfinite(r[key])]
         if rows:
             out[key] = rows[-1][key]
             out[f"best_{key}"] = max(r[key] for r in rows)
             out[f"best_{key}_round"] = max(rows, key=lambda r: r[key])["round"]
-    if evaluated:
-        final = evaluated[-1]
+    if rows_evaluated:
+        final = rows_evaluated[-1]
         out["per_client_personalized_accuracy"] = final.get("personalized_per_client_accuracy")
         if "personalized_per_client_accuracy_ea" in final:
             out["per_client_personalized_accuracy_ea"] = final["personalized_per_client_accuracy_ea"]
