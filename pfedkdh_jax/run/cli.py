@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the points that differ only in α and in --grid values of lr (pfedkdh: also lam, "
                          "temperature, mu) as one program (partitions and values stacked along the repetition "
                          "axis; vmapped with --reps-mode vmap); not for fedfed")
+    sw.add_argument("--order", default="table", choices=("table", "methods"),
+                    help="the order the points run in: table (cell by cell, the methods as listed) or methods "
+                         "(each method over every cell, in the order of --methods: list the cheapest first and "
+                         "whole rows fill first); may change when an interrupted sweep is continued")
     sw.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                     help="run the sweep as one process of a jax.distributed job whose process 0 listens at "
                          "HOST:PORT (with --num-processes, --process-id; one command per process, the sweep "
@@ -262,7 +266,8 @@ def _sweep(args) -> int:
             if args.sweep_out is None:
                 raise ConfigError("--coordinator needs --out: every process must name the same sweep directory")
             _start_distributed(args.coordinator, args.num_processes, args.process_id)
-        result = _guarded_sweep(lambda: run_sweep(sweep, out, progress=not args.no_progress))
+        result = _guarded_sweep(lambda: run_sweep(sweep, out, progress=not args.no_progress,
+                                                    order=args.order))
     except (ConfigError, DataError) as e:
         print(f"pfedkdh: error: {e}", file=sys.stderr)
         return 2

@@ -159,8 +159,16 @@ def _grid_of(spec: dict) -> dict:
     return {k: v for k, v in spec.items() if k != "stack"}
 
 
-def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable = print) -> dict:
+ORDERS = ("table", "methods")
+
+
+def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable = print,
+              order: str = "table") -> dict:
     """Run (or continue) every point of ``sweep`` under ``out``, then write the tables and figures.
+
+    ``order`` is the order the points run in (how, not what: it may change between calls): ``table``
+    cell by cell (dataset, α, then the methods as listed), ``methods`` method by method over every
+    cell (list the cheapest methods first and whole rows of the table fill first).
 
     Under ``jax.distributed`` this process runs its share of the points (:func:`share`) and only
     process 0 writes the outputs; the other processes return ``{"out": out, "table": None, ...}``."""
@@ -183,7 +191,11 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
         with open(spec_path, "w") as f:
             json.dump(sweep.to_json(), f, indent=2)
     _barrier("pfedkdh-sweep-start", count)
+    if order not in ORDERS:
+        raise ConfigError(f"--order must be one of {', '.join(ORDERS)}; got {order!r}")
     todo = points(sweep, out)
+    if order == "methods":   # a stable sort: within a method, the table's order
+        todo.sort(key=lambda p: sweep.methods.index(p[1].method))
     number = {name: i + 1 for i, (name, _) in enumerate(todo)}
     for group in share(_stacks(sweep, todo), index, count):   # one point, or points run as one program
         resumed, fresh, names = [], [], []

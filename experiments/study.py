@@ -1,0 +1,169 @@
+"""The paper's tables as one resumable study, run in the background across sessions (issue 24).
+
+Two sweeps (``pfedkdh sweep``, paper preset, seed 0 / data seed 0):
+
+* ``table2``: MNIST and Fashion-MNIST × α ∈ {0.05, 0.1, 0.5} × the twelve methods, pFedKDH twice
+  (λ = 0, the package default, and λ = 0.5, the paper's form) — the paper's Table 2;
+* ``cifar10``: CIFAR-10 α = 0.05, the methods not run there before (Table 3's column; pFedKDH λ = 0
+  and 0.5, FedPer, FedBABU and FedAvg were run on 2026-12-02: experiments/results/cifar10_earlier.json).
+
+Points run method by method over every cell, cheapest methods first (``--order methods``), so whole
+rows fill first; every point checkpoints every 5 rounds. The sweep directories live outside the
+repository (``$PFEDKDH_STUDY_DIR``, default ``~/pfedkdh-study``: they hold checkpoints), and the
+study runs from a copy of the source taken when it starts (so editing the work tree does not change a
+running study). Finished points are copied into ``experiments/results/<sweep>/points/`` (their
+config.json, summary.json and metrics.jsonl, a few kB each): commit them, and a study started on
+another machine takes them as done instead of running them again.
+
+    python experiments/study.py run table2 --data-dir ../shared/data/tfds [--cores 1]   # start / continue
+    python experiments/study.py sync table2      # copy the finished points into experiments/results/
+    python experiments/study.py status table2    # what is done, running, missing
+
+``run`` syncs when its sweep ends; run ``sync`` by hand to save the points finished so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+
+# cheapest first (s/round ÷ FedPer's, MNIST paper preset, BENCHMARKS.md): whole rows fill first
+CHEAP_FIRST = ("fedper", "fedavg", "fedprox", "fedbabu", "pfedkdh", "fedproto", "fedala", "fedrep", "pfedsim",
+               "ditto", "pfedme", "fedfed")
+STUDIES = {
+    "table2": dict(datasets="mnist,fashion_mnist", alphas="0.05,0.1,0.5", methods=",".join(CHEAP_FIRST),
+                   grid=["lam=0,0.5"]),
+    "cifar10": dict(datasets="cifar10", alphas="0.05",
+                    methods="fedprox,fedproto,fedala,fedrep,pfedsim,ditto,pfedme,fedfed", grid=[]),
+}
+KEPT = ("config.json", "summary.json", "metrics.jsonl")
+
+
+def study_dir(name: str) -> str:
+    root = os.environ.get("PFEDKDH_STUDY_DIR", os.path.expanduser("~/pfedkdh-study"))
+    return os.path.join(root, name)
+
+
+def _completed(run_dir: str) -> bool:
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            return json.load(f).get("status") == "completed"
+    except (OSError, ValueError):
+        return False
+
+
+def _points(root: str) -> list[str]:
+    d = os.path.join(root, "points")
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def sync(name: str) -> list[str]:
+    """Copy the study's finished points into experiments/results/<name>/points/; the new ones' names."""
+    new = []
+    for point in _points(study_dir(name)):
+        src = os.path.join(study_dir(name), "points", point)
+        dst = os.path.join(RESULTS, name, "points", point)
+        if _completed(src) and not _completed(dst):
+            os.makedirs(dst, exist_ok=True)
+            for f in KEPT:
+                shutil.copy2(os.path.join(src, f), os.path.join(dst, f))
+            new.append(point)
+    return new
+
+
+def restore(name: str) -> list[str]:
+    """Committed finished points not in the study directory are copied in (the sweep keeps them)."""
+    restored = []
+    for point in _points(os.path.join(RESULTS, name)):
+        src = os.path.join(RESULTS, name, "points", point)
+        dst = os.path.join(study_dir(name), "points", point)
+        if _completed(src) and not _completed(dst):
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst)
+            restored.append(point)
+    return restored
+
+
+def _source_copy(root: str) -> str:
+    """A copy of the package as it is now, kept for the study's lifetime (a running study does not
+    see later edits; a new session may refresh it with --refresh-source)."""
+    src = os.path.join(os.path.dirname(root), "src")
+    if not os.path.isdir(os.path.join(src, "pfedkdh_jax")):
+        shutil.copytree(os.path.join(REPO, "pfedkdh_jax"), os.path.join(src, "pfedkdh_jax"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        with open(os.path.join(src, "COMMIT"), "w") as f:
+            f.write(commit)
+    return src
+
+
+def run(name: str, data_dir: str, cores: int | None, refresh: bool) -> int:
+    root = study_dir(name)
+    os.makedirs(root, exist_ok=True)
+    for point in restore(name):
+        print(f"restored from experiments/results: {point}")
+    if refresh:
+        shutil.rmtree(os.path.join(os.path.dirname(root), "src"), ignore_errors=True)
+    src = _source_copy(root)
+    s = STUDIES[name]
+    cmd = [sys.executable, "-m", "pfedkdh_jax.run.cli", "sweep", "--datasets", s["datasets"], "--alphas", s["alphas"],
+           "--methods", s["methods"], "--preset", "paper", "--seeds", "1", "--order", "methods",
+           "--data-dir", data_dir, "--out", root, "--no-progress"]
+    for g in s["grid"]:
+        cmd += ["--grid", g]
+    env = dict(os.environ, PYTHONPATH=src)
+    if cores is not None:   # one XLA:CPU device per core given, pinned to the last ones
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cores}"
+        cpus = sorted(os.sched_getaffinity(0))[-cores:]
+        cmd = ["taskset", "-c", ",".join(map(str, cpus))] + cmd
+    print(" ".join(cmd), flush=True)
+    rc = subprocess.call(cmd, env=env)
+    for point in sync(name):
+        print(f"saved to experiments/results: {point}")
+    return rc
+
+
+def status(name: str) -> None:
+    root = study_dir(name)
+    for point in _points(root):
+        d = os.path.join(root, "points", point)
+        if _completed(d):
+            state = "completed"
+        else:
+            ck = os.path.join(d, "checkpoints")
+            rounds = sorted(os.listdir(ck)) if os.path.isdir(ck) else []
+            state = f"running/checkpointed ({rounds[-1] if rounds else 'no checkpoint'})"
+        saved = "saved" if _completed(os.path.join(RESULTS, name, "points", point)) else "not saved"
+        print(f"{point:45s} {state:40s} {saved}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("action", choices=("run", "sync", "status"))
+    p.add_argument("study", choices=tuple(STUDIES))
+    p.add_argument("--data-dir", default=os.environ.get("TFDS_DATA_DIR"))
+    p.add_argument("--cores", type=int, default=None, help="pin the study to this many cores (the last ones)")
+    p.add_argument("--refresh-source", action="store_true", help="take a new copy of the package first")
+    a = p.parse_args(argv)
+    if a.action == "run":
+        if not a.data_dir:
+            p.error("--data-dir (or $TFDS_DATA_DIR) is needed")
+        return run(a.study, a.data_dir, a.cores, a.refresh_source)
+    if a.action == "sync":
+        for point in sync(a.study):
+            print(f"saved to experiments/results: {point}")
+        return 0
+    status(a.study)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
