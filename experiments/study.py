@@ -8,7 +8,8 @@ Two sweeps (``pfedkdh sweep``, paper preset, seed 0 / data seed 0):
   and 0.5, FedPer, FedBABU and FedAvg were run on 2026-12-02: experiments/results/cifar10_earlier.json).
 
 Points run method by method over every cell, cheapest methods first (``--order methods``), so whole
-rows fill first; every point checkpoints every 5 rounds. The sweep directories live outside the
+rows fill first; every point checkpoints every 5 rounds. Clients are scored every 5 rounds and at the
+last (``--eval-every 5``; EA every 10): FedBABU's every evaluation fine-tunes all 20 clients. The sweep directories live outside the
 repository (``$PFEDKDH_STUDY_DIR``, default ``~/pfedkdh-study``: they hold checkpoints), and the
 study runs from a copy of the source taken when it starts (so editing the work tree does not change a
 running study). Finished points are copied into ``experiments/results/<sweep>/points/`` (their
@@ -116,7 +117,7 @@ def run(name: str, data_dir: str, cores: int | None, refresh: bool) -> int:
     s = STUDIES[name]
     cmd = [sys.executable, "-m", "pfedkdh_jax.run.cli", "sweep", "--datasets", s["datasets"], "--alphas", s["alphas"],
            "--methods", s["methods"], "--preset", "paper", "--seeds", "1", "--order", "methods",
-           "--data-dir", data_dir, "--out", root, "--no-progress"]
+           "--eval-every", "5", "--data-dir", data_dir, "--out", root, "--no-progress"]
     for g in s["grid"]:
         cmd += ["--grid", g]
     env = dict(os.environ, PYTHONPATH=src)
