@@ -5,7 +5,6 @@ after the first round) and a 2-round CLI smoke run of each on the digits demo se
 """
 
 import functools
-import json
 
 import chex
 import jax
@@ -15,7 +14,6 @@ import optax
 import pytest
 
 from pfedkdh_jax import algorithms as methods
-from pfedkdh_jax.run import cli
 from pfedkdh_jax.algorithms import common as C
 from pfedkdh_jax.algorithms import fedavg, fedbabu, fedper, fedprox, fedrep
 from pfedkdh_jax.run.config import ConfigError, make_config
@@ -387,29 +385,4 @@ def test_no_recompilation_after_first_round(tiny, trained, name):
     assert first and all(v == 1 for v in first.values()), first
 
 
-# ------------------------------------------------------------------------------------ CLI smoke
-# Short local work per method keeps the smoke runs quick; the --method-arg path is exercised too.
-SMOKE_ARGS = {"fedprox": ["mu=0.01"], "fedrep": ["head_epochs=2"], "fedbabu": ["finetune_epochs=1"]}
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_cli_smoke_run(name, tmp_path, capsys):
-    out = tmp_path / name
-    extra = [a for arg in SMOKE_ARGS.get(name, []) for a in ("--method-arg", arg)]
-    rc = cli.main(["run", "--preset", "smoke", "--method", name, "--out", str(out), "--no-progress",
-                   "--chunk-steps", "1", *extra])
-    assert rc == 0, capsys.readouterr().err
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["method"] == name and summary["status"] == "completed"
-    assert summary["rounds_completed"] == 2
-    assert 0.0 <= summary["personalized_macro_accuracy"] <= 1.0
-    assert len(summary["per_client_personalized_accuracy"]) == 10
-    if name in ("fedper", "fedrep"):
-        assert "global_macro_accuracy" not in summary          # no server-side head
-    else:
-        assert 0.0 <= summary["global_macro_accuracy"] <= 1.0
-    if name in ("fedavg", "fedprox"):
-        assert summary["personalized_macro_accuracy"] == summary["global_macro_accuracy"]
-    assert all(v == 1 for v in summary["traces"].values()), summary["traces"]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2] and all(np.isfinite(r["train_loss"]) for r in rows)
+# The CLI smoke runs of every method: tests/test_smoke_presets.py

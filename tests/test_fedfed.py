@@ -172,5 +172,5 @@ def test_phase_a_averages_f_and_the_vae_and_keeps_optimizer_states(tiny, phases_
 def test_feature_rounds_must_leave_rounds_for_phase_b():
     from pfedkdh_jax.run.config import ConfigError, make_config
     with pytest.raises(ConfigError, match="feature_rounds must be below --rounds 3"):
-        make_config("smoke", method="fedfed", rounds=3)  # default feature_rounds = 15
-    make_config("smoke", method="fedfed", rounds=3, method_args=(("feature_rounds", "2"),))
+        make_config("default", method="fedfed", rounds=3)  # default feature_rounds = 15
+    make_config("default", method="fedfed", rounds=3, method_args=(("feature_rounds", "2"),))

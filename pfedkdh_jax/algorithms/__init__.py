@@ -53,6 +53,9 @@ class MethodSpec:
     # config) that stacked runs may differ in: each run's algorithm is rebuilt from its own values
     # inside the one program (Algorithm.with_hparams)
     traced: tuple[str, ...] = ("lr",)
+    # its own options' values under ``--preset smoke`` (its phases and inner loops scaled to a 2-round
+    # run); an explicit --method-arg wins
+    smoke: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _positive(v) -> bool:
@@ -84,11 +87,11 @@ METHODS: dict[str, MethodSpec] = {
     "fedper": MethodSpec(_module("fedper"), {}, "FedPer (Arivazhagan et al. 2019)"),
     "fedrep": MethodSpec(_module("fedrep"), {"head_epochs": 10},
                          "FedRep (Collins et al. 2021): head epochs, then --local-epochs body epochs",
-                         {"head_epochs": (_non_negative, ">= 0")}),
+                         {"head_epochs": (_non_negative, ">= 0")}, smoke={"head_epochs": 2}),
     "fedbabu": MethodSpec(_module("fedbabu"), {"finetune_epochs": 5, "finetune_part": "full"},
                           "FedBABU (Oh et al. 2022): frozen head; evaluated after fine-tuning",
                           {"finetune_part": (lambda v: v in ("full", "head"), "full or head"),
-                           "finetune_epochs": (_non_negative, ">= 0")}),
+                           "finetune_epochs": (_non_negative, ">= 0")}, smoke={"finetune_epochs": 1}),
     "ditto": MethodSpec(
         _module("ditto"), {"lam": 1.0},
         "Ditto (Li et al., ICML 2021): FedAvg global model + personal models with λ/2‖v − w‖²",
@@ -120,7 +123,8 @@ METHODS: dict[str, MethodSpec] = {
         run_check=lambda a, cfg: (None if a["feature_rounds"] < cfg.rounds else
                                   f"--method-arg feature_rounds must be below --rounds {cfg.rounds} for fedfed "
                                   f"(phase A's rounds count in the run's); got {a['feature_rounds']}"),
-        table_metric="global_macro_accuracy", stackable=False, traced=()),   # the pool's size is the partition's
+        table_metric="global_macro_accuracy", stackable=False, traced=(),   # the pool's size is the partition's
+        smoke={"feature_rounds": 1}),
 }
 
 

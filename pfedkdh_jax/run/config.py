@@ -105,7 +105,7 @@ def preset(name: str, dataset: str) -> dict[str, Any]:
         rounds, epochs = PAPER_SCHEDULE.get(dataset, (50, 2))
         values = dict(num_clients=20, participation=0.5, aux_size=5000, rounds=rounds,
                       local_epochs=epochs, batch_size=64, lr=0.015, teacher_epochs=3, warmup_epochs=0)
-    if name == "smoke":
+    if name == "smoke":   # and each method's own phase lengths (METHODS[m].smoke, in make_config)
         values.update(rounds=2, ea_every=1)
     return values
 
@@ -115,6 +115,11 @@ def make_config(preset_name: str = "default", **overrides) -> RunConfig:
     dataset = overrides.get("dataset", RunConfig.dataset)
     values = preset(preset_name, dataset)
     values.update({k: v for k, v in overrides.items() if v is not None})
+    method = values.get("method", RunConfig.method)
+    if preset_name == "smoke" and method in METHODS:   # the method's own phases scaled down too
+        given = {k for k, _ in values.get("method_args", ())}
+        values["method_args"] = tuple((k, str(v)) for k, v in METHODS[method].smoke.items()
+                                      if k not in given) + tuple(values.get("method_args", ()))
     unknown = set(values) - {f.name for f in dataclasses.fields(RunConfig)}
     if unknown:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
