@@ -1,0 +1,116 @@
+"""The results page (issue 24): BENCHMARKS.md's headline section and figures are what
+experiments/results_page.py makes of experiments/results/, and its readings (σ gap, missing cells,
+ranking, the distillation finding) hold on a tiny synthetic results directory. No JAX."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "experiments", "results")
+
+
+def _page_module():
+    spec = importlib.util.spec_from_file_location("results_page", os.path.join(REPO, "experiments", "results_page.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+rp = _page_module()
+
+
+def test_committed_page_is_the_generated_one():
+    assert rp.main(["--check", "--no-figures"]) == 0, "run `python experiments/results_page.py`"
+
+
+def test_committed_figures_are_the_generated_ones():
+    matplotlib = pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    with Image.open(os.path.join(RESULTS, "figures", "table2.png")) as im:
+        made_with = im.text.get("Source")
+    if made_with != f"matplotlib {matplotlib.__version__}":
+        pytest.skip(f"figures made with {made_with}; PNG bytes depend on the matplotlib version")
+    assert rp.main(["--check"]) == 0, "run `python experiments/results_page.py`"
+
+
+def _point(root, study, name, method, dataset, alpha, summary, lam=0.0, status="completed"):
+    d = os.path.join(root, study, "points", name)
+    os.makedirs(d)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"method": method, "dataset": dataset, "alpha": alpha, "lam": lam}, f)
+    with open(os.path.join(d, "summary.json"), "w") as f:
+        json.dump(dict(summary, status=status, seconds_per_round=10.0,
+                       bytes_per_client_round={"download": 2308104, "upload": 2308104}), f)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        for t in (25, 50):
+            f.write(json.dumps({"round": t, **{k: v * t / 50 for k, v in summary.items()}}) + "\n")
+
+
+@pytest.fixture
+def results(tmp_path):
+    """The committed transcribed files and study.json, with a few synthetic points instead of the study's."""
+    root = str(tmp_path / "results")
+    shutil.copytree(RESULTS, root, ignore=shutil.ignore_patterns("points", "figures"))
+    acc = "personalized_macro_accuracy"
+    _point(root, "table2", "mnist-a0.1-fedper", "fedper", "mnist", 0.1, {acc: 0.9904})
+    _point(root, "table2", "mnist-a0.1-fedavg", "fedavg", "mnist", 0.1,
+           {"global_macro_accuracy": 0.9583, acc: 0.5})          # scored by its global model
+    _point(root, "table2", "mnist-a0.1-pfedkdh-lam0.0", "pfedkdh", "mnist", 0.1, {acc: 0.99, acc + "_ea": 0.9908})
+    _point(root, "table2", "mnist-a0.1-pfedkdh-lam0.5", "pfedkdh", "mnist", 0.1,
+           {acc: 0.9832, acc + "_ea": 0.9886}, lam=0.5)
+    _point(root, "table2", "mnist-a0.5-fedper", "fedper", "mnist", 0.5, {acc: 0.5}, status="running")  # not finished
+    _point(root, "cifar10", "cifar10-a0.05-fedper", "fedper", "cifar10", 0.05, {acc: 0.92})
+    return root
+
+
+def test_gap_in_sigma():
+    assert rp.gap_sigma(99.04, 98.61, 0.13) == "+3.3σ"
+    assert rp.gap_sigma(98.32, 99.12, 0.09) == "-8.9σ"
+    assert rp.gap_sigma(97.0, 97.0, 0.0) == "–"          # no spread given: no gap
+
+
+def test_cells_gaps_and_missing(results):
+    res = rp.load(results)
+    assert res["table2"]["points"] == 4                   # the running point is not counted
+    assert rp.cell_text(res, "fedper", "mnist/0.1") == "99.04 (98.61 ± 0.13, +3.3σ)"
+    assert rp.cell_text(res, "fedavg", "mnist/0.1") == "95.83 (94.43 ± 2.01, +0.7σ)"   # its global model
+    assert rp.cell_text(res, "pfedkdh-lam0.5-ea", "mnist/0.1") == "98.86 (99.23 ± 0.03, -12.3σ)"
+    assert rp.cell_text(res, "fedper", "mnist/0.5") == "– (98.08 ± 0.30)"           # running: missing
+    assert rp.cell_text(res, "pfedsim", "mnist/0.1") == "–"                         # no paper figure
+    assert rp.cell_text(res, "fedper", "cifar10/0.05") == "92.00"                   # the study's, not the earlier
+    assert rp.cell_text(res, "fedavg", "cifar10/0.05") == "44.51*"                  # an earlier run
+    gaps = {(row, col) for rows, cols in rp.missing(res) for row in rows for col in cols}
+    filled = {("fedper", "mnist/0.1"), ("fedavg", "mnist/0.1"), ("fedper", "cifar10/0.05")} | {
+        (f"pfedkdh-lam{lam}{ea}", "mnist/0.1") for lam in ("0.0", "0.5") for ea in ("", "-ea")}
+    earlier = {(r["row"], "cifar10/0.05") for r in res["cifar10_earlier"]["runs"]}
+    assert gaps == {(r, c) for r, _, _ in rp.ROWS for c in rp.COLUMNS} - filled - earlier
+    page = rp.section(res)
+    assert f"**Missing ({len(gaps)} of {len(rp.ROWS) * len(rp.COLUMNS)} cells):**" in page
+    assert "FedProx (global), Ditto" in page and ": every cell" in page
+
+
+def test_readings(results):
+    res = rp.load(results)
+    # the paper's order on MNIST α = 0.1: pFedKDH-EA > pFedKDH-Fair > FedPer > FedAvg; ours puts FedPer first
+    assert rp.ranking_reading(res) == ("MNIST α = 0.1 differs (the paper's best of these 4, pFedKDH-EA λ = 0.5, "
+                                       "is no. 2 here)")
+    assert rp.distillation_reading(res) == "λ = 0 above λ = 0.5: Fair on 2 of 2 filled cells; EA on 2 of 2 filled cells"
+    res["cells"][("pfedkdh-lam0.5", "mnist/0.1")]["value"] = 99.5
+    assert "Fair on 1 of 2 filled cells (not on MNIST α = 0.1)" in rp.distillation_reading(res)
+
+
+def test_section_replaces_only_the_marked_part(results, tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Benchmarks\n\n<!-- results:begin -->\nSTALE-TEXT\n<!-- results:end -->\n\n# Log\nkept\n")
+    assert rp.main(["--results", results, "--page", str(page), "--no-figures"]) == 0
+    text = page.read_text()
+    assert text.startswith("# Benchmarks\n\n" + rp.BEGIN) and text.endswith(rp.END + "\n\n# Log\nkept\n")
+    assert "STALE-TEXT" not in text
+    assert rp.main(["--results", results, "--page", str(page), "--no-figures", "--check"]) == 0
