@@ -20,7 +20,8 @@ another machine takes them as done instead of running them again.
     python experiments/study.py sync table2      # copy the finished points into experiments/results/
     python experiments/study.py status table2    # what is done, running, missing
 
-``run`` syncs when its sweep ends; run ``sync`` by hand to save the points finished so far.
+``run`` syncs when its sweep ends; run ``sync`` by hand to save the points finished so far (both
+regenerate BENCHMARKS.md's results section: commit the points and the page together).
 """
 
 from __future__ import annotations
@@ -127,9 +128,18 @@ def run(name: str, data_dir: str, cores: int | None, refresh: bool) -> int:
         cmd = ["taskset", "-c", ",".join(map(str, cpus))] + cmd
     print(" ".join(cmd), flush=True)
     rc = subprocess.call(cmd, env=env)
-    for point in sync(name):
+    new = sync(name)
+    for point in new:
         print(f"saved to experiments/results: {point}")
+    if new:
+        regenerate_page()
     return rc
+
+
+def regenerate_page() -> None:
+    """BENCHMARKS.md's results section and figures from experiments/results/ (commit them together
+    with the synced points: tests/test_results_page.py checks they agree)."""
+    subprocess.call([sys.executable, os.path.join(HERE, "results_page.py")])
 
 
 def status(name: str) -> None:
@@ -159,8 +169,11 @@ def main(argv=None) -> int:
             p.error("--data-dir (or $TFDS_DATA_DIR) is needed")
         return run(a.study, a.data_dir, a.cores, a.refresh_source)
     if a.action == "sync":
-        for point in sync(a.study):
+        new = sync(a.study)
+        for point in new:
             print(f"saved to experiments/results: {point}")
+        if new:
+            regenerate_page()
         return 0
     status(a.study)
     return 0
