@@ -118,16 +118,18 @@ def run(name: str, data_dir: str, cores: int | None, refresh: bool) -> int:
     s = STUDIES[name]
     cmd = [sys.executable, "-m", "pfedkdh_jax.run.cli", "sweep", "--datasets", s["datasets"], "--alphas", s["alphas"],
            "--methods", s["methods"], "--preset", "paper", "--seeds", "1", "--order", "methods",
-           "--eval-every", "5", "--data-dir", data_dir, "--out", root, "--no-progress"]
+           "--eval-every", "5", "--data-dir", os.path.abspath(data_dir), "--out", os.path.abspath(root), "--no-progress"]
     for g in s["grid"]:
         cmd += ["--grid", g]
+    # run from inside the copy: `python -m` puts the working directory first on sys.path, so a study
+    # started from the checkout would otherwise import the checkout (and see later edits)
     env = dict(os.environ, PYTHONPATH=src)
     if cores is not None:   # one XLA:CPU device per core given, pinned to the last ones
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cores}"
         cpus = sorted(os.sched_getaffinity(0))[-cores:]
         cmd = ["taskset", "-c", ",".join(map(str, cpus))] + cmd
     print(" ".join(cmd), flush=True)
-    rc = subprocess.call(cmd, env=env)
+    rc = subprocess.call(cmd, env=env, cwd=src)
     new = sync(name)
     for point in new:
         print(f"saved to experiments/results: {point}")
