@@ -13,21 +13,32 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"   # the one version number (pyproject.toml reads it)
+
+_METHODS = {"PFedKDH": "pfedkdh", "FedAvg": "fedavg", "FedProx": "fedprox", "FedPer": "fedper", "FedRep": "fedrep",
+            "FedBABU": "fedbabu", "Ditto": "ditto", "PFedMe": "pfedme", "FedProto": "fedproto", "FedALA": "fedala",
+            "PFedSim": "pfedsim", "FedFed": "fedfed"}
 
 _EXPORTS = {
     # data
     "DATASETS": "data", "DataError": "data", "Pool": "data", "Partition": "data", "load_pool": "data",
-    "make_partition": "data", "partition_summary": "data", "format_summary": "data",
-    "FederatedData": "data.device", "build_federated_data": "data.device",
-    # model and algorithms
-    "CNN": "model", "Algorithm": "algorithms.base", "ClientUpdate": "algorithms.base",
-    "EvalModels": "algorithms.base", "Personalization": "algorithms.base",
-    "PFedKDH": "algorithms.pfedkdh", "PFedKDHConfig": "algorithms.pfedkdh", "PFedKDHState": "algorithms.pfedkdh",
+    "make_partition": "data", "natural_partition": "data", "pool_from_arrays": "data",
+    "partition_summary": "data", "format_summary": "data",
+    "FederatedData": "data.device", "build_federated_data": "data.device", "from_arrays": "data.device",
+    # models: the protocol, the paper's CNN, adapters of a user's flax modules
+    "Model": "engine.protocol", "check_model": "engine.protocol", "logits": "engine.protocol",
+    "feature_dim": "engine.protocol", "CNN": "model", "LinenModel": "adapters", "NNXModel": "adapters",
+    # the method protocol
+    "Algorithm": "engine.protocol", "ClientUpdate": "engine.protocol", "EvalModels": "engine.protocol",
+    "Personalization": "engine.protocol", "Phase": "engine.protocol",
+    # methods (each with its config) and the CLI's registry
+    **{cls: f"algorithms.{mod}" for cls, mod in _METHODS.items()},
+    **{f"{cls}Config": "algorithms.configs" for cls in _METHODS},
+    "LocalConfig": "algorithms.configs", "OptionError": "algorithms.configs", "PFedKDHState": "algorithms.pfedkdh",
     "METHODS": "algorithms", "build_algorithm": ("algorithms", "build"),
     # engine
     "Layout": "engine.layout", "LocalTrainer": "engine.local", "LocalState": "engine.local",
-    "make_round": "engine.round", "make_evaluate": "engine.evaluate",
+    "make_round": "engine.round", "make_evaluate": "engine.evaluate", "select_clients": "engine.round",
     "RoundRunner": "engine.runner", "sample_schedule": "engine.runner",
     # runs
     "RunConfig": "run.config", "ConfigError": "run.config", "make_config": "run.config",

@@ -17,7 +17,7 @@ from pfedkdh_jax import algorithms as methods
 from pfedkdh_jax.algorithms import common as C
 from pfedkdh_jax.algorithms import fedavg, fedbabu, fedper, fedprox, fedrep
 from pfedkdh_jax.run.config import ConfigError, make_config
-from pfedkdh_jax.algorithms.base import ClientUpdate, EvalModels
+from pfedkdh_jax.engine.protocol import ClientUpdate, EvalModels
 from pfedkdh_jax.engine.evaluate import make_evaluate
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import tree_stack
@@ -109,10 +109,9 @@ def trained(tiny):
 # ------------------------------------------------------------------------------------- registry
 def test_registry_defaults_options_and_budget():
     assert methods.METHODS["fedavg"].args == {} and methods.METHODS["fedper"].args == {}
-    assert methods.METHODS["fedprox"].args == {"mu": fedprox.DEFAULT_MU}
-    assert methods.METHODS["fedrep"].args == {"head_epochs": fedrep.DEFAULT_HEAD_EPOCHS}
-    assert methods.METHODS["fedbabu"].args == {"finetune_epochs": fedbabu.DEFAULT_FINETUNE_EPOCHS,
-                                               "finetune_part": "full"}
+    assert methods.METHODS["fedprox"].args == {"mu": 1.0}          # FedProxConfig's default
+    assert methods.METHODS["fedrep"].args == {"head_epochs": 10}
+    assert methods.METHODS["fedbabu"].args == {"finetune_epochs": 5, "finetune_part": "full"}
     assert methods.parse_method_args("fedprox", [("mu", "0.01")]) == {"mu": 0.01}
     for name, pair, match in [("fedbabu", ("finetune_part", "body"), "finetune_part"),
                               ("fedrep", ("head_epochs", "-1"), "head_epochs"),
@@ -127,7 +126,7 @@ def test_registry_defaults_options_and_budget():
     algo = methods.build(cfg, 10)
     assert algo.config == fedrep.FedRepConfig(lr=0.1, batch_size=16, local_epochs=2, head_epochs=3)
     assert algo.trainer.epochs == 2 and algo.head_phase.epochs == 3  # body epochs; head epochs
-    babu = methods.build(make_config("smoke", method="fedbabu"), 10)
+    babu = methods.build(make_config(method="fedbabu"), 10)   # (the smoke preset scales it to 1)
     assert (babu.personalization.trainer.epochs, babu.config.finetune_part) == (5, "full")
 
 

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 
 from pfedkdh_jax import algorithms
-from pfedkdh_jax.algorithms.base import message_bytes
+from pfedkdh_jax.engine.protocol import message_bytes
 from pfedkdh_jax.model import CNN
 from pfedkdh_jax.run.config import make_config
 

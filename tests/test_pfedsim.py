@@ -35,7 +35,7 @@ def test_classifier_similarity_is_scale_free_and_clamped():
     eye = jnp.eye(2)
     heads = {"out": {"kernel": jnp.stack([eye, jnp.diag(jnp.array([2.0, 5.0])), -eye]),
                      "bias": jnp.array([[9.0, 9.0], [-3.0, 1.0], [0.0, 0.0]])}}   # bias excluded
-    w = pfedsim.classifier_similarity(heads)
+    w = pfedsim.classifier_similarity(CNN(2), heads, 2)
     assert float(w[0, 1]) == pytest.approx(1.0, abs=1e-6)       # scale-free
     assert float(w[0, 2]) == 0.0 and float(w[1, 2]) == 0.0       # opposite: clamped at 0
     np.testing.assert_allclose(w, w.T)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pfedkdh_jax import algorithms
-from pfedkdh_jax.algorithms.base import Algorithm
+from pfedkdh_jax.engine.protocol import Algorithm
 from pfedkdh_jax.engine.evaluate import make_evaluate
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import tree_stack
@@ -82,8 +82,11 @@ def two_rounds(algo, data, layout, seed=0, selected=SELECTED, vmapped=None):
     return state, metrics, traces
 
 
-# FedFed's phase A (a VAE and three passes a batch) takes minutes per test to compile on a 2-core CPU
-NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "fedfed" else n for n in algorithms.METHODS]
+# FedFed's phase A (a VAE and three passes a batch) takes minutes per test to compile on a 2-core CPU;
+# FedAvg, FedProx and FedPer take the plain trainer's path that FedRep, FedBABU and Ditto take too
+# (every method with --runslow; all passed in the full runs)
+LAYOUT_SLOW = ("fedfed", "fedavg", "fedprox", "fedper")
+NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in LAYOUT_SLOW else n for n in algorithms.METHODS]
 # Repetitions by default for four methods of different state layouts; every method with --runslow
 # (all passed in the full runs since the repetition axis landed for every method).
 REPS_QUICK = ("pfedkdh", "fedproto", "ditto", "pfedsim")

@@ -56,19 +56,19 @@ def test_repetition_in_a_batch_equals_the_seed_alone(tiny, form):
 
 def test_cli_reps_vmap_equals_sequential_and_reports_mean_std(tmp_path):
     from pfedkdh_jax.run import cli
-    common = ["run", "--preset", "smoke", "--reps", "3", "--no-progress", "--chunk-steps", "4", "--clients", "6"]
+    common = ["run", "--preset", "smoke", "--reps", "2", "--no-progress", "--chunk-steps", "4", "--clients", "6"]
     assert cli.main([*common, "--reps-mode", "vmap", "--out", str(tmp_path / "v")]) == 0
     assert cli.main([*common, "--reps-mode", "sequential", "--out", str(tmp_path / "s")]) == 0
     v = json.loads((tmp_path / "v" / "summary.json").read_text())
     s = json.loads((tmp_path / "s" / "summary.json").read_text())
-    assert [r["seed"] for r in v["repetitions"]] == [0, 1, 2]
+    assert [r["seed"] for r in v["repetitions"]] == [0, 1]
     for key in ["personalized_macro_accuracy", "global_macro_accuracy", "personalized_macro_accuracy_ea"]:
         per = [r[key] for r in v["repetitions"]]
         assert v[key] == pytest.approx(np.mean(per)) and v[f"{key}_std"] == pytest.approx(np.std(per))
         np.testing.assert_allclose(per, [r[key] for r in s["repetitions"]], atol=1e-5)
     assert v["personalized_macro_accuracy_std"] > 0   # different seeds, different runs
     row = json.loads((tmp_path / "v" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert len(row["reps"]) == 3 and "personalized_macro_accuracy_std" in row
+    assert len(row["reps"]) == 2 and "personalized_macro_accuracy_std" in row
 
 
 SCRIPT = r"""
@@ -118,15 +118,17 @@ def test_sharded_over_fake_devices_matches_one_device(tmp_path, devices, reps, l
 
 def test_sequential_clients_spread_over_two_devices_equal_one_device(tmp_path):
     """A lone run's sequential clients spread over 2 fake devices (Layout.client_devices, the CLI's
-    CPU default): the same compiled code on each device, so the same numbers, bit for bit, and
-    every piece traced as often as on one device."""
+    CPU default): the same compiled code on each device, so the same numbers, and every piece traced
+    as often as on one device. Bit for bit on some CPUs; on others the two devices' thread pools
+    split a convolution differently, so the loss agrees to float32 rounding (seen: 2e-6 relative)
+    and the accuracies to less than one test prediction."""
     one = _run_on_devices(1, tmp_path / "one", 1, ("sequential", "unrolled"))
     two = _run_on_devices(2, tmp_path / "two", 1, ("sequential", "unrolled"))
     assert (one["devices"], two["devices"]) == (1, 2)
     assert (one["summary"]["engine"]["client_devices"], two["summary"]["engine"]["client_devices"]) == (1, 2)
-    for key in ["final_train_loss", "personalized_macro_accuracy", "global_macro_accuracy",
-                "personalized_macro_accuracy_ea"]:
-        assert two["summary"][key] == one["summary"][key], key
+    assert two["summary"]["final_train_loss"] == pytest.approx(one["summary"]["final_train_loss"], rel=2e-5)
+    for key in ["personalized_macro_accuracy", "global_macro_accuracy", "personalized_macro_accuracy_ea"]:
+        assert two["summary"][key] == pytest.approx(one["summary"][key], abs=1e-3), key
     assert two["summary"]["traces"] == one["summary"]["traces"]
 
 

@@ -213,3 +213,17 @@ def test_eval_seconds_median_counts_only_the_rounds_that_evaluated():
     assert summary["eval_seconds_median"] == 1.5
     alone = records.summary(cfg, history[:3], {}, runner, status="completed")
     assert (alone["evaluations"], alone["eval_seconds_median"]) == (1, 9.0)
+
+
+def test_a_run_directory_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+    import socket
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.lock").write_text(f"{socket.gethostname()} {os.getpid()}")   # a live process holds it
+    rc = cli.main(["run", "--preset", "smoke", "--rounds", "1", "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is in use by process" in err and err.count("\n") == 1
+    assert not (out / "metrics.jsonl").exists()
+    (out / "run.lock").write_text(f"{socket.gethostname()} 999999999")       # its process is gone
+    assert cli.main(["run", "--preset", "smoke", "--rounds", "1", "--out", str(out), "--no-progress"]) == 0
+    assert not (out / "run.lock").exists() and (out / "summary.json").exists()

@@ -1,6 +1,6 @@
 """Pieces the methods share: the local budget, states, objectives, optimizers, per-client pytrees.
 
-Parameters are ``{"backbone": θ, "head": φ}`` (:mod:`pfedkdh_jax.model`); optimizers address the two
+Parameters are ``{"backbone": θ, "head": φ}`` (any :class:`~pfedkdh_jax.engine.protocol.Model`); optimizers address the two
 parts by these names with :func:`optax.multi_transform`. Per-client pytrees carry a leading client axis
 ``[K, ...]``; a round reads and writes only the rows of the selected clients, so the other clients'
 rows stay bit-identical.
@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import optax
 
 from pfedkdh_jax import losses
+from pfedkdh_jax.algorithms.configs import LocalConfig
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
+from pfedkdh_jax.engine.protocol import Model, init_params as _init_params, logits
 from pfedkdh_jax.model import CNN
 
 PyTree = Any
@@ -27,20 +29,70 @@ PyTree = Any
 PART_LABELS = {"backbone": "backbone", "head": "head"}
 
 
-@dataclasses.dataclass(frozen=True)
-class LocalConfig:
-    """The shared local-training budget (method.md Table 1); every method's config extends it."""
-
-    lr: float = 0.015          # client SGD learning rate, no momentum
-    batch_size: int = 64
-    local_epochs: int = 2      # E
-
-
 def may_be_nonzero(value) -> bool:
     """Whether a term weighted by hyperparameter ``value`` must be computed: a Python number only if
     it is non-zero; a traced value (runs of several values stacked into one program) always, its
     weight making the term vanish where it is 0."""
     return not isinstance(value, (int, float)) or value != 0
+
+
+def init_params(model: Model, key: jax.Array, data: FederatedData):
+    """The model's parameters ``{"backbone", "head"}`` for ``data``'s inputs and classes (checked
+    from shapes first: :func:`pfedkdh_jax.engine.protocol.init_params`)."""
+    return _init_params(model, key, data.input_shape, data.num_classes, data.input_dtype)
+
+
+def make_tx(optimizer, lr) -> optax.GradientTransformation:
+    """The optax transformation of an optimizer field (:mod:`.configs`): ``None`` → ``optax.sgd(lr)``;
+    a function of the learning rate → its transformation at ``lr`` (``lr`` may be traced); a
+    ``GradientTransformation`` → itself (its own learning rate)."""
+    if optimizer is None:
+        return optax.sgd(lr)
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    tx = optimizer(lr)
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"an optimizer factory must return an optax.GradientTransformation for lr={lr!r}; "
+                        f"got a {type(tx).__name__}")
+    return tx
+
+
+def client_tx(config: LocalConfig) -> optax.GradientTransformation:
+    """The client optimizer of ``config`` at its learning rate (default: plain SGD, the paper's)."""
+    return make_tx(config.optimizer, config.lr)
+
+
+def optimizer_from_run(cfg) -> "NamedOptimizer | None":
+    """The client optimizer of a :class:`~pfedkdh_jax.run.config.RunConfig` (``--optimizer``,
+    ``--momentum``, ``--weight-decay``) as a function of the learning rate, or ``None`` for plain
+    SGD without weight decay (the paper's)."""
+    name, wd = getattr(cfg, "optimizer", "sgd"), getattr(cfg, "weight_decay", None)
+    if name == "sgd" and not wd:
+        return None
+    return NamedOptimizer(name, getattr(cfg, "momentum", None), wd)
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedOptimizer:
+    """One of the command line's optimizers as a function of the learning rate: ``sgd``,
+    ``momentum`` (SGD with momentum, default 0.9), ``adam``, ``adamw`` (decoupled weight decay,
+    default optax's 1e-4); for the others a weight decay is added to the gradient (L2) first."""
+
+    name: str
+    momentum: float | None = None
+    weight_decay: float | None = None
+
+    def __call__(self, lr) -> optax.GradientTransformation:
+        wd = self.weight_decay
+        if self.name == "adamw":
+            return optax.adamw(lr, weight_decay=1e-4 if wd is None else wd)
+        if self.name == "momentum":
+            base = optax.sgd(lr, momentum=0.9 if self.momentum is None else self.momentum)
+        elif self.name == "adam":
+            base = optax.adam(lr)
+        else:
+            base = optax.sgd(lr)
+        return optax.chain(optax.add_decayed_weights(wd), base) if wd else base
 
 
 def cnn(cfg, num_classes: int) -> CNN:
@@ -51,8 +103,10 @@ def cnn(cfg, num_classes: int) -> CNN:
 
 
 def local_config(cfg) -> dict:
-    """The shared budget's fields from a :class:`~pfedkdh_jax.run.config.RunConfig`."""
-    return dict(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs)
+    """The shared budget's fields (and the client optimizer) from a
+    :class:`~pfedkdh_jax.run.config.RunConfig`."""
+    return dict(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
+                optimizer=optimizer_from_run(cfg))
 
 
 @struct.dataclass
@@ -121,15 +175,15 @@ def round_metrics(updates) -> dict:
 
 
 # ------------------------------------------------------------------------------------ objectives
-def cross_entropy_loss(model: CNN):
+def cross_entropy_loss(model: Model):
     """``(params, ctx, x, y, mask, rng) -> masked mean CE`` of the full model (ctx unused)."""
     def loss_fn(params, ctx, x, y, mask, rng):
         del ctx
-        return losses.masked_mean(losses.cross_entropy(model.logits(params, x, rng=rng), y), mask)
+        return losses.masked_mean(losses.cross_entropy(logits(model, params, x, rng=rng), y), mask)
     return loss_fn
 
 
-def head_loss(model: CNN):
+def head_loss(model: Model):
     """Masked mean CE of a head over precomputed features (``x`` holds the features)."""
     def loss_fn(head, ctx, z, y, mask, rng):
         del ctx, rng
@@ -143,10 +197,11 @@ def gather_features(source, idx):
     return feats[idx], labels[idx]
 
 
-def head_trainer(model: CNN, *, lr: float, batch_size: int, epochs: int,
-                 max_steps: int | None = None) -> LocalTrainer:
-    """SGD on a linear head over precomputed features (teacher refit, head adaptation, FedRep)."""
-    return LocalTrainer(loss_fn=head_loss(model), tx=optax.sgd(lr), gather=gather_features,
+def head_trainer(model: Model, *, lr: float, batch_size: int, epochs: int,
+                 max_steps: int | None = None, optimizer=None) -> LocalTrainer:
+    """SGD (or ``optimizer``, a :func:`make_tx` field) on a head over precomputed features (teacher
+    refit, head adaptation, FedRep)."""
+    return LocalTrainer(loss_fn=head_loss(model), tx=make_tx(optimizer, lr), gather=gather_features,
                         epochs=epochs, batch_size=batch_size, max_steps=max_steps)
 
 

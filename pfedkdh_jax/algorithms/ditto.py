@@ -40,17 +40,13 @@ import optax
 
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.algorithms.configs import DittoConfig
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, EvalModels
 from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
-from pfedkdh_jax.model import CNN
+from pfedkdh_jax.engine.protocol import Model
 
 PyTree = Any
-
-
-@dataclasses.dataclass(frozen=True)
-class DittoConfig(C.LocalConfig):
-    lam: float = 1.0           # λ, weight of the proximal term of the personal objective
 
 
 DittoState = C.PersonalModelsState  # personal: v_k: every client's personal model, [K, ...]
@@ -58,20 +54,22 @@ DittoState = C.PersonalModelsState  # personal: v_k: every client's personal mod
 
 @dataclasses.dataclass(frozen=True)
 class Ditto(Algorithm):
-    model: CNN
+    model: Model
     config: DittoConfig = DittoConfig()
 
     name = "ditto"
 
     def init(self, key: jax.Array, data: FederatedData) -> DittoState:
         """w⁰ from ``key``; every personal model starts as w⁰."""
-        params = self.model.init(key, data.input_shape)
+        params = C.init_params(self.model, key, data)
         return DittoState.create(params, data.num_clients)
 
     @property
     def trainer(self) -> LocalTrainer:
         c = self.config
-        return C.sgd_trainer(self.local_loss, optax.sgd(c.lr), c)
+        tx = optax.multi_transform({"global": C.client_tx(c), "personal": C.make_tx(c.personal_optimizer, c.lr)},
+                                   {"global": "global", "personal": "personal"})
+        return C.sgd_trainer(self.local_loss, tx, c)
 
     def context(self, state: DittoState) -> PyTree:
         """w^t, the anchor of the personal models' proximal term."""
@@ -81,7 +79,7 @@ class Ditto(Algorithm):
         """``CE(w_k) + CE(v_k) + λ/2·‖v_k − w^t‖²`` on one batch. The global copy sees ``rng`` itself
         (so it trains exactly as FedAvg would with the same keys), the personal model a derived key."""
         def ce(p, r):
-            return losses.masked_mean(losses.cross_entropy(self.model.logits(p, x, rng=r), y), mask)
+            return losses.masked_mean(losses.cross_entropy(C.logits(self.model, p, x, rng=r), y), mask)
         return (ce(params["global"], rng) + ce(params["personal"], jax.random.fold_in(rng, 1))
                 + losses.proximal(params["personal"], ctx, self.config.lam))
 
@@ -114,4 +112,5 @@ class Ditto(Algorithm):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> Ditto:
-    return Ditto(C.cnn(cfg, num_classes), DittoConfig(**C.local_config(cfg), lam=args["lam"]))
+    """Ditto of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
+    return Ditto(C.cnn(cfg, num_classes), DittoConfig(**C.local_config(cfg), **args))

@@ -55,21 +55,15 @@ import optax
 
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.algorithms.configs import FedALAConfig
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, EvalModels
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
-from pfedkdh_jax.model import CNN
+from pfedkdh_jax.engine.protocol import Model
 
 PyTree = Any
 
 _ALA_STREAM = 7  # fold_in tag of ALA's sampling key, distinct from the local-training keys
-
-
-@dataclasses.dataclass(frozen=True)
-class FedALAConfig(C.LocalConfig):
-    eta: float = 1.0          # η, ALA weight learning rate
-    rand_percent: int = 80    # s, % of local train data used by ALA
-    start_epochs: int = 20    # ALA epochs the first time a client runs it (then 1)
 
 
 @struct.dataclass
@@ -88,13 +82,13 @@ def mix_heads(local_head: PyTree, global_head: PyTree, weights: PyTree) -> PyTre
 
 @dataclasses.dataclass(frozen=True)
 class FedALA(Algorithm):
-    model: CNN
+    model: Model
     config: FedALAConfig = FedALAConfig()
 
     name = "fedala"
 
     def init(self, key: jax.Array, data: FederatedData) -> FedALAState:
-        params = self.model.init(key, data.input_shape)
+        params = C.init_params(self.model, key, data)
         k = data.num_clients
         return FedALAState(
             params=params, local=C.broadcast(params, k),
@@ -104,7 +98,7 @@ class FedALA(Algorithm):
     @property
     def trainer(self) -> LocalTrainer:
         c = self.config
-        return C.sgd_trainer(C.cross_entropy_loss(self.model), optax.sgd(c.lr), c)
+        return C.sgd_trainer(C.cross_entropy_loss(self.model), C.client_tx(c), c)
 
     def ala_trainer(self, epochs: int) -> LocalTrainer:
         """Projected SGD on W over precomputed features (no convolution in its loop)."""
@@ -192,6 +186,5 @@ class FedALA(Algorithm):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedALA:
-    return FedALA(C.cnn(cfg, num_classes), FedALAConfig(
-        **C.local_config(cfg), eta=args["eta"], rand_percent=args["rand_percent"],
-        start_epochs=args["start_epochs"]))
+    """FedALA of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
+    return FedALA(C.cnn(cfg, num_classes), FedALAConfig(**C.local_config(cfg), **args))

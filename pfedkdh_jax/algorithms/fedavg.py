@@ -19,33 +19,33 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.algorithms.configs import FedAvgConfig
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, EvalModels
 from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
-from pfedkdh_jax.model import CNN
+from pfedkdh_jax.engine.protocol import Model
 
 
 @dataclasses.dataclass(frozen=True)
 class FedAvg(Algorithm):
-    """FedAvg over a :class:`CNN`. Static; every method is pure and jittable."""
+    """FedAvg over any :class:`~pfedkdh_jax.engine.protocol.Model`. Static; every method is pure and jittable."""
 
-    model: CNN
-    config: C.LocalConfig = C.LocalConfig()
+    model: Model
+    config: FedAvgConfig = FedAvgConfig()
 
     name = "fedavg"
 
     def init(self, key: jax.Array, data: FederatedData) -> C.SharedModelState:
-        params = self.model.init(key, data.input_shape)
+        params = C.init_params(self.model, key, data)
         return C.SharedModelState(backbone=params["backbone"], head=params["head"],
                                   round=jnp.zeros((), jnp.int32), num_clients=data.num_clients)
 
     # ------------------------------------------------------------------------------ client side
     @property
     def trainer(self) -> LocalTrainer:
-        return C.sgd_trainer(self.local_loss, optax.sgd(self.config.lr), self.config)
+        return C.sgd_trainer(self.local_loss, C.client_tx(self.config), self.config)
 
     def local_loss(self, params, ctx, x, y, mask, rng) -> jax.Array:
         """Mean cross-entropy of one batch (masked)."""
@@ -77,6 +77,5 @@ class FedAvg(Algorithm):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedAvg:
-    """FedAvg with the run's shared budget (no method options)."""
-    del args
-    return FedAvg(C.cnn(cfg, num_classes), C.LocalConfig(**C.local_config(cfg)))
+    """FedAvg of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
+    return FedAvg(C.cnn(cfg, num_classes), FedAvgConfig(**C.local_config(cfg), **args))

@@ -12,7 +12,7 @@ the fine-tuned models are thrown away (the next round starts from θ_g, φ⁰ ag
 
 On the shared engine: the training optimizer is ``body_only(sgd)`` (``optax.set_to_zero`` on the
 head), so φ⁰ stays bit-identical through every round. The fine-tuning is this method's
-``personalization`` (:mod:`pfedkdh_jax.algorithms.base`): the engine runs it for all K clients at
+``personalization`` (:mod:`pfedkdh_jax.engine.protocol`): the engine runs it for all K clients at
 every evaluation with the same layout as training, and the fine-tuned models (a backbone and a head
 per client) give the ``personalized_*`` accuracies. The ``global_*`` accuracies are those of the
 un-fine-tuned global model (θ_g, φ⁰), the paper's "initial" accuracy.
@@ -38,35 +38,20 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import optax
 
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.base import ClientUpdate, EvalModels, Personalization
+from pfedkdh_jax.algorithms.configs import FedBABUConfig
+from pfedkdh_jax.engine.protocol import ClientUpdate, EvalModels, Personalization
 from pfedkdh_jax.algorithms.fedavg import FedAvg
 from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine.local import LocalTrainer
-from pfedkdh_jax.model import CNN
 
-DEFAULT_FINETUNE_EPOCHS = 5
-FINETUNE_PARTS = ("full", "head")
 _FINETUNE_STREAM = 1  # folded into the evaluation key for the fine-tuning's batch order
 
 
 @dataclasses.dataclass(frozen=True)
-class FedBABUConfig(C.LocalConfig):
-    finetune_epochs: int = DEFAULT_FINETUNE_EPOCHS  # τ_f, epochs of fine-tuning before evaluation (0: none)
-    finetune_part: str = "full"                      # "full" (body and head) | "head"
-
-    def __post_init__(self):
-        if self.finetune_part not in FINETUNE_PARTS:
-            raise ValueError(f"finetune_part must be one of {FINETUNE_PARTS}; got {self.finetune_part!r}")
-        if self.finetune_epochs < 0:
-            raise ValueError(f"finetune_epochs must be >= 0; got {self.finetune_epochs}")
-
-
-@dataclasses.dataclass(frozen=True)
 class FedBABU(FedAvg):
-    """FedBABU over a :class:`CNN`: FedAvg's state, client start and evaluation models (the global
+    """FedBABU over any :class:`~pfedkdh_jax.engine.protocol.Model`: FedAvg's state, client start and evaluation models (the global
     model (θ_g, φ⁰) for everyone: the ``global_*`` metrics), a body-only local problem, a body-only
     server step, and fine-tuning as its personalization (the ``personalized_*`` metrics)."""
 
@@ -77,7 +62,7 @@ class FedBABU(FedAvg):
     @property
     def trainer(self) -> LocalTrainer:
         """Body update only: the head gets exactly zero updates (φ⁰ stays bit-identical)."""
-        return C.sgd_trainer(C.cross_entropy_loss(self.model), C.body_only(optax.sgd(self.config.lr)),
+        return C.sgd_trainer(C.cross_entropy_loss(self.model), C.body_only(C.client_tx(self.config)),
                              self.config)
 
     def messages(self, state: C.SharedModelState, update: ClientUpdate):
@@ -98,7 +83,8 @@ class FedBABU(FedAvg):
         c = self.config
         if c.finetune_epochs == 0:
             return None
-        tx = optax.sgd(c.lr) if c.finetune_part == "full" else C.head_only(optax.sgd(c.lr))
+        tune = C.make_tx(c.finetune_optimizer, c.lr)
+        tx = tune if c.finetune_part == "full" else C.head_only(tune)
         trainer = C.sgd_trainer(C.cross_entropy_loss(self.model), tx, c, epochs=c.finetune_epochs)
 
         def start(state: C.SharedModelState, data: FederatedData, client: jax.Array, key: jax.Array):
@@ -113,6 +99,5 @@ class FedBABU(FedAvg):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedBABU:
-    """FedBABU with the run's shared budget; ``args``: ``finetune_epochs``, ``finetune_part``."""
-    return FedBABU(C.cnn(cfg, num_classes), FedBABUConfig(
-        **C.local_config(cfg), finetune_epochs=args["finetune_epochs"], finetune_part=args["finetune_part"]))
+    """FedBABU of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
+    return FedBABU(C.cnn(cfg, num_classes), FedBABUConfig(**C.local_config(cfg), **args))

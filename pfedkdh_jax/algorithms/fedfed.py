@@ -2,7 +2,7 @@
 
 Z. Yang, Y. Zhang, Y. Zheng, X. Tian, H. Peng, T. Liu, B. Han, "FedFed: Feature Distillation against
 Data Heterogeneity in Federated Learning", NeurIPS 2023. The specification implemented here is
-method.md §5.2; it is a method of two phases (:class:`~pfedkdh_jax.algorithms.base.Phase`) on one
+method.md §5.2; it is a method of two phases (:class:`~pfedkdh_jax.engine.protocol.Phase`) on one
 state.
 
 * **Phase A** (``feature_rounds`` = 15 rounds, sampled clients as in any round): each client holds the
@@ -52,30 +52,16 @@ import optax
 
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels, Phase
+from pfedkdh_jax.algorithms.configs import FedFedConfig
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, EvalModels, Phase
 from pfedkdh_jax.algorithms.vae import VAE, kl_term, reconstruction
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer, mean_loss
-from pfedkdh_jax.model import CNN
+from pfedkdh_jax.engine.protocol import Model
 
 PyTree = Any
 _POOL_STREAM = 3   # fold_in tag of a client's pool draws
 _VAE_STREAM = 5    # ... of the VAE's initialisation
-
-
-@dataclasses.dataclass(frozen=True)
-class FedFedConfig(C.LocalConfig):
-    feature_rounds: int = 15          # R_A, phase A's rounds (counted in the run's rounds)
-    vae_batch_size: int = 32          # phase A's batch
-    vae_lr: float = 1e-3              # AdamW
-    vae_weight_decay: float = 1e-6
-    noise_std: tuple = (0.15, 0.25)   # the two noisy copies of x_s
-    mixup_alpha: float = 2.0          # λ ~ Beta(α, α)
-    recon_weight: float = 5.0
-    kl_weight: float = 0.005
-    sensitive_ce_weight: float = 2.0  # CE of f on [s1; s2]
-    ce_weight: float = 0.4            # CE of f on x in the joint pass
-    vae_width: int = 32               # the VAE's channels (16, 32); narrower only for tests
 
 
 @struct.dataclass
@@ -111,12 +97,19 @@ def noisy_copies(x_s: jax.Array, key: jax.Array, stds) -> tuple[jax.Array, jax.A
     return (x_s + stds[0] * jax.random.normal(k1, x_s.shape), x_s + stds[1] * jax.random.normal(k2, x_s.shape))
 
 
-def _init_global(model: CNN, key: jax.Array, data: FederatedData, config: FedFedConfig) -> FedFedState:
-    params = model.init(key, data.input_shape)
+def _vae_tx(config: FedFedConfig) -> optax.GradientTransformation:
+    """The VAE's optimizer (default AdamW at ``vae_lr`` with ``vae_weight_decay``, method.md §5.2)."""
+    if config.vae_optimizer is None:
+        return optax.adamw(config.vae_lr, weight_decay=config.vae_weight_decay)
+    return C.make_tx(config.vae_optimizer, config.vae_lr)
+
+
+def _init_global(model: Model, key: jax.Array, data: FederatedData, config: FedFedConfig) -> FedFedState:
+    params = C.init_params(model, key, data)
     vae = VAE(data.input_shape[-1], config.vae_width).init(jax.random.fold_in(key, _VAE_STREAM),
                                          jnp.zeros((1,) + tuple(data.input_shape)))
     vae = {"params": vae["params"], "batch_stats": vae["batch_stats"]}
-    adamw = optax.adamw(config.vae_lr, weight_decay=config.vae_weight_decay)
+    adamw = _vae_tx(config)
     s = data.train_flat.shape[0]
     return FedFedState(params=params, vae=vae, vae_opt=C.broadcast(adamw.init(vae["params"]), data.num_clients),
                        pool_x=jnp.zeros((2 * s,) + tuple(data.input_shape), jnp.float16),
@@ -134,7 +127,7 @@ def _global_eval(state: FedFedState) -> EvalModels:
 class _FedFedBase(Algorithm):
     """What both phases share: the model, the configuration and the state."""
 
-    model: CNN
+    model: Model
     config: FedFedConfig = FedFedConfig()
 
     name = "fedfed"
@@ -145,7 +138,7 @@ class _FedFedBase(Algorithm):
 
 @dataclasses.dataclass(frozen=True)
 class FedFed(_FedFedBase):
-    """FedFed over a :class:`CNN`; as an algorithm it is phase A (feature distillation), and its
+    """FedFed over any :class:`~pfedkdh_jax.engine.protocol.Model`; as an algorithm it is phase A (feature distillation), and its
     ``phases`` add phase B (FedAvg on own data plus the shared pool)."""
 
     @property
@@ -163,7 +156,7 @@ class FedFed(_FedFedBase):
 
     def optimizers(self):
         c = self.config
-        return optax.sgd(c.lr), optax.adamw(c.vae_lr, weight_decay=c.vae_weight_decay)
+        return C.client_tx(c), _vae_tx(c)
 
     def messages(self, state: FedFedState, update: ClientUpdate):
         """Phase A: f and the VAE down and up (the VAE's optimizer state stays with the client)."""
@@ -198,10 +191,10 @@ class FedFed(_FedFedBase):
         x_r, mean, logvar, bs = self._vae_apply(vae_params, batch_stats, x01, jax.random.fold_in(rng, 1),
                                                 mask, x.shape[-1])
         s1, s2 = noisy_copies(x01 - x_r, jax.random.fold_in(rng, 2), c.noise_std)
-        logits = self.model.logits(f, jnp.concatenate([s1, s2]), rng=jax.random.fold_in(rng, 3))
+        logits = C.logits(self.model, f, jnp.concatenate([s1, s2]), rng=jax.random.fold_in(rng, 3))
         two = jnp.concatenate([mask, mask])
         sensitive = losses.masked_mean(losses.cross_entropy(logits, jnp.concatenate([y, y])), two)
-        plain = losses.masked_mean(losses.cross_entropy(self.model.logits(f, x, rng=jax.random.fold_in(rng, 4)), y), mask)
+        plain = losses.masked_mean(losses.cross_entropy(C.logits(self.model, f, x, rng=jax.random.fold_in(rng, 4)), y), mask)
         loss = self.recon_terms(x_r, x01, mean, logvar, mask) + c.sensitive_ce_weight * sensitive + c.ce_weight * plain
         return loss, bs
 
@@ -216,7 +209,7 @@ class FedFed(_FedFedBase):
         partner = mixup_partner(jax.random.fold_in(rng, 11), mask)
 
         def mix_loss(f):
-            logits = self.model.logits(f, lam * x + (1.0 - lam) * x[partner], rng=jax.random.fold_in(rng, 12))
+            logits = C.logits(self.model, f, lam * x + (1.0 - lam) * x[partner], rng=jax.random.fold_in(rng, 12))
             ce = lam * losses.cross_entropy(logits, y) + (1.0 - lam) * losses.cross_entropy(logits, y[partner])
             return losses.masked_mean(ce, mask)
         g = jax.grad(mix_loss)(f)
@@ -289,7 +282,7 @@ class FedFedAvg(_FedFedBase):
 
     @property
     def trainer(self) -> LocalTrainer:
-        return LocalTrainer(loss_fn=C.cross_entropy_loss(self.model), tx=optax.sgd(self.config.lr),
+        return LocalTrainer(loss_fn=C.cross_entropy_loss(self.model), tx=C.client_tx(self.config),
                             gather=gather_with_pool, epochs=self.config.local_epochs,
                             batch_size=self.config.batch_size, gather_context=True)
 
@@ -347,8 +340,5 @@ def gather_with_pool(data: FederatedData, idx: jax.Array, ctx: dict):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedFed:
-    """FedFed with the run's shared budget; ``args['feature_rounds']``: phase A's rounds (below the
-    run's, checked by the registry)."""
-    return FedFed(C.cnn(cfg, num_classes),
-                  FedFedConfig(**C.local_config(cfg), feature_rounds=args["feature_rounds"],
-                               vae_width=args["vae_width"]))
+    """FedFed of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
+    return FedFed(C.cnn(cfg, num_classes), FedFedConfig(**C.local_config(cfg), **args))

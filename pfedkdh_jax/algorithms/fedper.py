@@ -20,27 +20,27 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.algorithms.configs import FedPerConfig
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, EvalModels
 from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
-from pfedkdh_jax.model import CNN
+from pfedkdh_jax.engine.protocol import Model
 
 
 @dataclasses.dataclass(frozen=True)
 class FedPer(Algorithm):
-    """FedPer over a :class:`CNN`. Static; every method is pure and jittable."""
+    """FedPer over any :class:`~pfedkdh_jax.engine.protocol.Model`. Static; every method is pure and jittable."""
 
-    model: CNN
-    config: C.LocalConfig = C.LocalConfig()
+    model: Model
+    config: FedPerConfig = FedPerConfig()
 
     name = "fedper"
 
     def init(self, key: jax.Array, data: FederatedData) -> C.PersonalHeadsState:
         """θ_g⁰ and φ⁰ from ``key``; every client's head starts as φ⁰."""
-        params = self.model.init(key, data.input_shape)
+        params = C.init_params(self.model, key, data)
         return C.PersonalHeadsState(backbone=params["backbone"],
                                     heads=C.broadcast(params["head"], data.num_clients),
                                     round=jnp.zeros((), jnp.int32))
@@ -49,7 +49,7 @@ class FedPer(Algorithm):
     @property
     def trainer(self) -> LocalTrainer:
         """Base and head trained together: one SGD over the full model."""
-        return C.sgd_trainer(C.cross_entropy_loss(self.model), optax.sgd(self.config.lr), self.config)
+        return C.sgd_trainer(C.cross_entropy_loss(self.model), C.client_tx(self.config), self.config)
 
     def messages(self, state: C.PersonalHeadsState, update: ClientUpdate):
         """The base down and up; the head stays with the client."""
@@ -77,6 +77,5 @@ class FedPer(Algorithm):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedPer:
-    """FedPer with the run's shared budget (no method options)."""
-    del args
-    return FedPer(C.cnn(cfg, num_classes), C.LocalConfig(**C.local_config(cfg)))
+    """FedPer of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
+    return FedPer(C.cnn(cfg, num_classes), FedPerConfig(**C.local_config(cfg), **args))

@@ -43,24 +43,18 @@ from typing import Any
 import flax.struct as struct
 import jax
 import jax.numpy as jnp
-import optax
 
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.algorithms.configs import FedProtoConfig
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, EvalModels
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer, mean_loss
-from pfedkdh_jax.model import CNN, FEATURE_DIM
+from pfedkdh_jax.engine.protocol import Model, feature_dim
 
 PyTree = Any
 
 PROTO_WEIGHTINGS = ("count", "uniform")
-
-
-@dataclasses.dataclass(frozen=True)
-class FedProtoConfig(C.LocalConfig):
-    lam: float = 1.0                 # λ, weight of the prototype distance
-    proto_weighting: str = "count"   # "count" (paper) | "uniform" (authors' code, PFLlib)
 
 
 @struct.dataclass
@@ -84,31 +78,37 @@ def class_prototypes(feats: jax.Array, labels: jax.Array, valid: jax.Array, num_
 
 
 def prototype_head(protos: jax.Array, has_proto: jax.Array) -> PyTree:
-    """A linear head (the CNN head's parameter structure) whose argmax is the nearest prototype:
+    """A linear rule (scored with :func:`prototype_logits`) whose argmax is the nearest prototype:
     ``argmin_c ‖z − p_c‖² = argmax_c (2·z·p_c − ‖p_c‖²)``; classes without a prototype get −∞."""
     bias = jnp.where(has_proto, -jnp.sum(protos * protos, axis=-1), -jnp.inf)
-    return {"out": {"kernel": 2.0 * protos.T, "bias": bias}}
+    return {"kernel": 2.0 * protos.T, "bias": bias}
+
+
+def prototype_logits(head: PyTree, z: jax.Array) -> jax.Array:
+    """The nearest-prototype rule's logits ``z·kernel + bias`` (whatever the model's own head is)."""
+    out = jnp.dot(z, head["kernel"])
+    return out + head["bias"].reshape((1,) * (out.ndim - 1) + (-1,))
 
 
 @dataclasses.dataclass(frozen=True)
 class FedProto(Algorithm):
-    model: CNN
+    model: Model
     config: FedProtoConfig = FedProtoConfig()
 
     name = "fedproto"
 
     def init(self, key: jax.Array, data: FederatedData) -> FedProtoState:
         """Every client starts from the same initial model; no global prototypes yet."""
-        params = self.model.init(key, data.input_shape)
+        params = C.init_params(self.model, key, data)
         c = data.num_classes
         return FedProtoState(models=C.broadcast(params, data.num_clients),
-                             protos=jnp.zeros((c, FEATURE_DIM), jnp.float32),
+                             protos=jnp.zeros((c, feature_dim(self.model, data.input_shape)), jnp.float32),
                              has_proto=jnp.zeros((c,), bool), round=jnp.zeros((), jnp.int32))
 
     @property
     def trainer(self) -> LocalTrainer:
         c = self.config
-        return C.sgd_trainer(self.local_loss, optax.sgd(c.lr), c)
+        return C.sgd_trainer(self.local_loss, C.client_tx(c), c)
 
     def context(self, state: FedProtoState) -> PyTree:
         """The global prototypes every selected client receives."""
@@ -155,7 +155,7 @@ class FedProto(Algorithm):
                              round=state.round + 1), metrics
 
     def aggregate(self, protos, has_proto, local_protos, counts):
-        """Per class, the (count-weighted or plain) mean of the local prototypes ``[S, C, 512]`` of the
+        """Per class, the (count-weighted or plain) mean of the local prototypes ``[S, C, D]`` of the
         clients that hold the class (``counts [S, C] > 0``); other classes keep the old prototype."""
         w = counts if self.config.proto_weighting == "count" else (counts > 0).astype(jnp.float32)
         total = jnp.sum(w, axis=0)
@@ -169,9 +169,10 @@ class FedProto(Algorithm):
         head = prototype_head(state.protos, state.has_proto)
         k = jax.tree_util.tree_leaves(state.models)[0].shape[0]
         return EvalModels(backbone=state.models["backbone"], heads=C.broadcast(head, k),
-                          extra_heads={"head": state.models["head"]}, per_client=True)
+                          extra_heads={"head": state.models["head"]}, per_client=True,
+                          head_logits=prototype_logits)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedProto:
-    return FedProto(C.cnn(cfg, num_classes), FedProtoConfig(
-        **C.local_config(cfg), lam=args["lam"], proto_weighting=args["proto_weighting"]))
+    """FedProto of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
+    return FedProto(C.cnn(cfg, num_classes), FedProtoConfig(**C.local_config(cfg), **args))

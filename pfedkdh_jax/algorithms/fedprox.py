@@ -28,20 +28,14 @@ import jax
 
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms import common as C
+from pfedkdh_jax.algorithms.configs import FedProxConfig
 from pfedkdh_jax.algorithms.fedavg import FedAvg
-from pfedkdh_jax.model import CNN
 
-DEFAULT_MU = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class FedProxConfig(C.LocalConfig):
-    mu: float = DEFAULT_MU     # μ, proximal weight on the full model
 
 
 @dataclasses.dataclass(frozen=True)
 class FedProx(FedAvg):
-    """FedProx over a :class:`CNN`: FedAvg's server and evaluation, a proximal local objective."""
+    """FedProx over any :class:`~pfedkdh_jax.engine.protocol.Model`: FedAvg's server and evaluation, a proximal local objective."""
 
     config: FedProxConfig = FedProxConfig()
 
@@ -58,5 +52,5 @@ class FedProx(FedAvg):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedProx:
-    """FedProx with the run's shared budget; ``args['mu']`` is μ."""
-    return FedProx(C.cnn(cfg, num_classes), FedProxConfig(**C.local_config(cfg), mu=args["mu"]))
+    """FedProx of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
+    return FedProx(C.cnn(cfg, num_classes), FedProxConfig(**C.local_config(cfg), **args))

@@ -42,27 +42,20 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from pfedkdh_jax.algorithms import common as C
+from pfedkdh_jax.algorithms.configs import FedRepConfig
 from pfedkdh_jax.algorithms.fedper import FedPer
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
-from pfedkdh_jax.model import CNN
 
-DEFAULT_HEAD_EPOCHS = 10
 FEATURE_CHUNK = 1024   # samples per forward pass when a client's features are computed
 HEAD_PHASE_STREAM = 1 << 21  # folded into the client's round key for the head epochs' shuffles
 
 
 @dataclasses.dataclass(frozen=True)
-class FedRepConfig(C.LocalConfig):
-    head_epochs: int = DEFAULT_HEAD_EPOCHS   # head-only epochs before the E representation epochs
-
-
-@dataclasses.dataclass(frozen=True)
 class FedRep(FedPer):
-    """FedRep over a :class:`CNN`: FedPer's state, server and evaluation; alternating local updates."""
+    """FedRep over any :class:`~pfedkdh_jax.engine.protocol.Model`: FedPer's state, server and evaluation; alternating local updates."""
 
     config: FedRepConfig = FedRepConfig()
 
@@ -72,7 +65,7 @@ class FedRep(FedPer):
     def trainer(self) -> LocalTrainer:
         """The representation epochs: E epochs of body-only SGD (the head is frozen)."""
         c = self.config
-        return C.sgd_trainer(C.cross_entropy_loss(self.model), C.body_only(optax.sgd(c.lr)), c)
+        return C.sgd_trainer(C.cross_entropy_loss(self.model), C.body_only(C.client_tx(c)), c)
 
     @property
     def head_phase(self) -> LocalTrainer:
@@ -112,6 +105,5 @@ class FedRep(FedPer):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedRep:
-    """FedRep with the run's shared budget; ``args['head_epochs']`` head epochs per round."""
-    return FedRep(C.cnn(cfg, num_classes),
-                  FedRepConfig(**C.local_config(cfg), head_epochs=args["head_epochs"]))
+    """FedRep of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
+    return FedRep(C.cnn(cfg, num_classes), FedRepConfig(**C.local_config(cfg), **args))

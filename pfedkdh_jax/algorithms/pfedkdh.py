@@ -29,15 +29,14 @@ from typing import Any
 import flax.struct as struct
 import jax
 import jax.numpy as jnp
-import optax
 
 from pfedkdh_jax import losses
-from pfedkdh_jax.algorithms import KD_GATES, KD_TARGETS
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels, Personalization
+from pfedkdh_jax.algorithms.configs import KD_GATES, KD_TARGETS, PFedKDHConfig
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, EvalModels, Personalization
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
-from pfedkdh_jax.model import CNN
+from pfedkdh_jax.engine.protocol import Model
 
 PyTree = Any
 
@@ -61,34 +60,6 @@ PyTree = Any
 #                       margins and it scored 1.4–1.8 points below λ = 0: experiments/SWEEP.md.)
 # With a gate, sample i's loss is (1 − λ_i)·CE_i + λ_i·T²·KL_i: an untrusted sample keeps its full CE.
 TRANSFER_FORMS = (KD_TARGETS, KD_GATES)
-
-
-@dataclasses.dataclass(frozen=True)
-class PFedKDHConfig(C.LocalConfig):
-    """Hyperparameters of pFedKDH (defaults: method.md Table 1; λ, T, μ, EA from the validation sweeps
-    of experiments/SWEEP.md, scored on a validation split of client train data)."""
-
-    lam: float = 0.0                # λ, weight of the distillation term
-    temperature: float = 4.0        # T
-    mu: float = 0.01                # μ, proximal weight on the backbone
-    teacher_epochs: int = 3         # epochs of the teacher-head refit over D_s
-    teacher_lr: float | None = None  # None: same as lr
-    teacher_warm_start: bool = True  # refit starts from the current φ_g (False: from φ_g⁰)
-    teacher_refit_at_start: bool = False  # refit φ_g once on D_s before round 0 (backbone untouched)
-    warmup_epochs: int = 0          # E_w: train θ_g and φ_g on D_s before round 0 (0 = off, as the paper)
-    ea_steps: int = 20              # pFedKDH-EA: head-only SGD steps before its evaluation (0: no EA)
-    ea_epochs: int = 0              # > 0: EA takes this many epochs over the client's train split instead
-    ea_lr: float | None = None      # None: same as lr
-    kd_target: str = "plain"        # the teacher distribution distilled (TRANSFER_FORMS)
-    kd_gate: str = "none"           # per-sample trust in the teacher (TRANSFER_FORMS)
-    persistent_heads: bool = True   # False (ablation): the selected heads are averaged (n_k) and every
-                                    # client's head becomes that average, like the backbone
-
-    def __post_init__(self):
-        if self.kd_target not in KD_TARGETS:
-            raise ValueError(f"kd_target must be one of {KD_TARGETS}; got {self.kd_target!r}")
-        if self.kd_gate not in KD_GATES:
-            raise ValueError(f"kd_gate must be one of {KD_GATES}; got {self.kd_gate!r}")
 
 
 @struct.dataclass
@@ -126,9 +97,9 @@ def _with_client_labels(ctx: dict, aux: dict) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class PFedKDH(Algorithm):
-    """pFedKDH over a :class:`CNN`. Static; every method is pure and jittable."""
+    """pFedKDH over any :class:`~pfedkdh_jax.engine.protocol.Model`. Static; every method is pure and jittable."""
 
-    model: CNN
+    model: Model
     config: PFedKDHConfig = PFedKDHConfig()
 
     name = "pfedkdh"
@@ -136,7 +107,10 @@ class PFedKDH(Algorithm):
     # ----------------------------------------------------------------------------------- set-up
     def init(self, key: jax.Array, data: FederatedData) -> PFedKDHState:
         """θ_g⁰, φ_g⁰ from ``key``; every client head and the teacher head start as φ_g⁰."""
-        params = self.model.init(key, data.input_shape)
+        if data.aux_idx.shape[-1] == 0 and (self.config.teacher_epochs > 0 or self.config.warmup_epochs > 0):
+            raise ValueError("PFedKDH refits its teacher head on the auxiliary set D_s, and the data have none: "
+                             "build them with aux_size > 0 (or set PFedKDHConfig.teacher_epochs=0)")
+        params = C.init_params(self.model, key, data)
         head = params["head"]
         return PFedKDHState(backbone=params["backbone"], teacher_head=head,
                             heads=C.broadcast(head, data.num_clients), init_head=head,
@@ -147,7 +121,7 @@ class PFedKDH(Algorithm):
         then the optional refit of φ_g on D_s (head only)."""
         c = self.config
         if c.warmup_epochs > 0:
-            trainer = C.sgd_trainer(C.cross_entropy_loss(self.model), optax.sgd(c.lr), c,
+            trainer = C.sgd_trainer(C.cross_entropy_loss(self.model), C.client_tx(c), c,
                                     epochs=c.warmup_epochs)
             n = int(data.aux_idx.shape[0])
             params = {"backbone": state.backbone, "head": state.teacher_head}
@@ -172,13 +146,13 @@ class PFedKDH(Algorithm):
     def trainer(self) -> LocalTrainer:
         """The clients' local problem: J_k over (θ_k, φ_k), plain SGD."""
         c = self.config
-        return C.sgd_trainer(self.local_loss, optax.sgd(c.lr), c,
+        return C.sgd_trainer(self.local_loss, C.client_tx(c), c,
                              client_context=_with_client_labels if self.class_aware else None)
 
     def teacher_trainer(self) -> LocalTrainer:
         c = self.config
         return C.head_trainer(self.model, lr=c.teacher_lr or c.lr, batch_size=c.batch_size,
-                              epochs=c.teacher_epochs)
+                              epochs=c.teacher_epochs, optimizer=c.teacher_optimizer)
 
     # ------------------------------------------------------------------------------ client side
     def context(self, state: PFedKDHState) -> PyTree:
@@ -188,10 +162,10 @@ class PFedKDH(Algorithm):
     def local_loss(self, params, ctx, x, y, mask, rng) -> jax.Array:
         """``J_k`` of one batch (masked means over the valid samples)."""
         c = self.config
-        logits = self.model.logits(params, x, rng=rng)
+        logits = C.logits(self.model, params, x, rng=rng)
         ce = losses.cross_entropy(logits, y)
         if C.may_be_nonzero(c.lam):
-            teacher = self.model.logits({"backbone": ctx["backbone"], "head": ctx["teacher_head"]}, x)
+            teacher = C.logits(self.model, {"backbone": ctx["backbone"], "head": ctx["teacher_head"]}, x)
             kd, trust = self.transfer(logits, teacher, y, ctx.get("labels"), mask)
             lam = c.lam * trust
             loss = losses.masked_mean((1.0 - lam) * ce + lam * kd, mask)
@@ -293,11 +267,12 @@ class PFedKDH(Algorithm):
             return None
         lr = c.ea_lr or c.lr
         if c.ea_epochs > 0:
-            trainer = C.head_trainer(self.model, lr=lr, batch_size=c.batch_size, epochs=c.ea_epochs)
+            trainer = C.head_trainer(self.model, lr=lr, batch_size=c.batch_size, epochs=c.ea_epochs,
+                                     optimizer=c.ea_optimizer)
         else:
             # enough epochs for the smallest client to take ea_steps steps (capped at ea_steps)
             trainer = C.head_trainer(self.model, lr=lr, batch_size=c.batch_size,
-                                     epochs=max(1, c.ea_steps), max_steps=c.ea_steps)
+                                     epochs=max(1, c.ea_steps), max_steps=c.ea_steps, optimizer=c.ea_optimizer)
 
         def start(state: PFedKDHState, data: FederatedData, client: jax.Array, key: jax.Array):
             return trainer.init(C.take(state.heads, client), jax.random.fold_in(key, client),
@@ -310,11 +285,10 @@ class PFedKDH(Algorithm):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> PFedKDH:
-    """pFedKDH from a :class:`~pfedkdh_jax.run.config.RunConfig` (its hyperparameters are run options)."""
+    """pFedKDH from a :class:`~pfedkdh_jax.run.config.RunConfig` (its hyperparameters are run options,
+    the fields of :class:`PFedKDHConfig` the registry lists in ``PFEDKDH_OPTIONS``)."""
+    from pfedkdh_jax.algorithms import PFEDKDH_OPTIONS
+
     del args
     return PFedKDH(C.cnn(cfg, num_classes), PFedKDHConfig(
-        **C.local_config(cfg), lam=cfg.lam, temperature=cfg.temperature, mu=cfg.mu,
-        teacher_epochs=cfg.teacher_epochs, teacher_warm_start=cfg.teacher_warm_start,
-        teacher_refit_at_start=cfg.teacher_refit_at_start, warmup_epochs=cfg.warmup_epochs,
-        ea_steps=cfg.ea_steps, ea_epochs=cfg.ea_epochs, ea_lr=cfg.ea_lr, kd_target=cfg.kd_target,
-        kd_gate=cfg.kd_gate, persistent_heads=cfg.persistent_heads))
+        **C.local_config(cfg), **{name: getattr(cfg, name) for name in PFEDKDH_OPTIONS}))

@@ -43,24 +43,18 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.algorithms.configs import PFedMeConfig
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, EvalModels
 from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
-from pfedkdh_jax.model import CNN
+from pfedkdh_jax.engine.protocol import Model
 
 PyTree = Any
-
-
-@dataclasses.dataclass(frozen=True)
-class PFedMeConfig(C.LocalConfig):  # lr: η, the local model's learning rate
-    lam: float = 15.0          # λ, Moreau-envelope regularisation
-    inner_steps: int = 5       # K, gradient steps on the inner problem per minibatch
-    personal_lr: float = 0.01  # ν, step size of the inner problem
-    beta: float = 1.0          # β, server mixing (1 = weighted average)
 
 
 PFedMeState = C.PersonalModelsState  # personal: θ_k: every client's last personalized model, [K, ...]
@@ -68,20 +62,22 @@ PFedMeState = C.PersonalModelsState  # personal: θ_k: every client's last perso
 
 @dataclasses.dataclass(frozen=True)
 class PFedMe(Algorithm):
-    model: CNN
+    model: Model
     config: PFedMeConfig = PFedMeConfig()
 
     name = "pfedme"
 
     def init(self, key: jax.Array, data: FederatedData) -> PFedMeState:
-        params = self.model.init(key, data.input_shape)
+        params = C.init_params(self.model, key, data)
         return PFedMeState.create(params, data.num_clients)
 
     @property
     def trainer(self) -> LocalTrainer:
-        """One engine step = K inner steps on θ, then the w step (``update`` replaces the gradient step)."""
+        """One engine step = K inner steps on θ, then the w step (``update`` replaces the gradient step);
+        the trainer's optimizer is the outer one, of w (its state covers ``{"w", "theta"}``; θ's part
+        is never used: the inner problem starts afresh on every minibatch)."""
         c = self.config
-        return C.sgd_trainer(self.batch_loss, optax.identity(), c, update=self.local_update)
+        return C.sgd_trainer(self.batch_loss, C.client_tx(c), c, update=self.local_update)
 
     def context(self, state: PFedMeState) -> PyTree:
         return None
@@ -89,20 +85,30 @@ class PFedMe(Algorithm):
     def batch_loss(self, params, ctx, x, y, mask, rng) -> jax.Array:
         """Masked-mean cross-entropy f_k(params; D) of a full model."""
         del ctx
-        return losses.masked_mean(losses.cross_entropy(self.model.logits(params, x, rng=rng), y), mask)
+        return losses.masked_mean(losses.cross_entropy(C.logits(self.model, params, x, rng=rng), y), mask)
 
     def local_update(self, params, opt_state, ctx, x, y, mask, rng):
-        """``{"w", "theta"}`` after one minibatch; the loss reported is f_k(θ; D) before the inner steps."""
+        """``{"w", "theta"}`` after one minibatch; the loss reported is f_k(θ; D) before the inner steps.
+
+        Inner problem: K steps of the personal optimizer (default SGD at ν) on
+        ``f_k(θ) + λ/2‖θ − w‖²``, from a fresh optimizer state; then the outer step of the client
+        optimizer (default SGD at η) on w with the gradient ``λ(w − θ)``."""
         c = self.config
         w, theta = params["w"], params["theta"]
         grad_fn = jax.value_and_grad(self.batch_loss)
+        inner = C.make_tx(c.personal_optimizer, c.personal_lr)
+        inner_state = inner.init(theta)
         loss = None
         for i in range(c.inner_steps):  # K is small and static: unrolled
             value, g = grad_fn(theta, ctx, x, y, mask, jax.random.fold_in(rng, i))
             loss = value if loss is None else loss
-            theta = jax.tree_util.tree_map(
-                lambda t, gt, wt: t - c.personal_lr * (gt + c.lam * (t - wt)), theta, g, w)
-        w = jax.tree_util.tree_map(lambda wt, t: wt - c.lr * c.lam * (wt - t), w, theta)
+            g = jax.tree_util.tree_map(lambda gt, t, wt: gt + c.lam * (t - wt), g, theta, w)
+            u, inner_state = inner.update(g, inner_state, theta)
+            theta = optax.apply_updates(theta, u)
+        g_w = {"w": jax.tree_util.tree_map(lambda wt, t: c.lam * (wt - t), w, theta),
+               "theta": jax.tree_util.tree_map(jnp.zeros_like, theta)}
+        u, opt_state = C.client_tx(c).update(g_w, opt_state, params)
+        w = optax.apply_updates(w, u["w"])
         return loss, {"w": w, "theta": theta}, opt_state
 
     def messages(self, state: PFedMeState, update: ClientUpdate):
@@ -138,6 +144,5 @@ class PFedMe(Algorithm):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> PFedMe:
-    return PFedMe(C.cnn(cfg, num_classes), PFedMeConfig(
-        **C.local_config(cfg), lam=args["lam"], inner_steps=args["inner_steps"],
-        personal_lr=args["personal_lr"], beta=args["beta"]))
+    """PFedMe of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
+    return PFedMe(C.cnn(cfg, num_classes), PFedMeConfig(**C.local_config(cfg), **args))

@@ -40,33 +40,22 @@ selected clients train.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import flax.struct as struct
 import jax
 import jax.numpy as jnp
-import optax
 
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate, EvalModels
+from pfedkdh_jax.algorithms.configs import PFedSimConfig
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, EvalModels
 from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
-from pfedkdh_jax.model import CNN
+from pfedkdh_jax.engine.protocol import Model, feature_dim
 
 PyTree = Any
 
 SELF_SIMILARITY = 0.9999  # W[i, i] in the mixing weights, and the clip of every entry
-
-
-@dataclasses.dataclass(frozen=True)
-class PFedSimConfig(C.LocalConfig):
-    rounds: int = 50          # R, the run's rounds (R_w is a share of it)
-    warmup: float = 0.5       # R_w: a fraction of R if < 1, else a number of rounds
-
-    @property
-    def warmup_rounds(self) -> int:
-        return int(math.floor(self.warmup * self.rounds)) if self.warmup < 1 else int(self.warmup)
 
 
 @struct.dataclass
@@ -85,12 +74,19 @@ def mixing_weights(row: jax.Array, client: jax.Array) -> jax.Array:
     return g / jnp.sum(g)
 
 
-def classifier_similarity(heads: PyTree) -> jax.Array:
+def classifier_rows(model: Model, head: PyTree, dim: int) -> jax.Array:
+    """The per-class weight vectors ``[classes, D]`` of one head: the rows of ∂logits/∂z (at z = 0),
+    which for a linear head are exactly its weight matrix's class columns (bias excluded), whatever
+    the head's parameter names."""
+    return jax.jacrev(lambda z: model.logits_from_features(head, z[None])[0])(jnp.zeros((dim,), jnp.float32))
+
+
+def classifier_similarity(model: Model, heads: PyTree, dim: int) -> jax.Array:
     """``max(0, mean over classes of the cosine of the clients' per-class weight vectors)``,
-    ``[C, C]`` for heads stacked ``[C, ...]`` (kernels ``[C, 512, classes]``; bias excluded)."""
-    kernel = heads["out"]["kernel"]
-    unit = kernel / jnp.maximum(jnp.linalg.norm(kernel, axis=1, keepdims=True), 1e-12)
-    cos = jnp.einsum("idc,jdc->ijc", unit, unit)
+    ``[C, C]`` for heads stacked ``[C, ...]`` (weight vectors ``[C, classes, D]``; bias excluded)."""
+    rows = jax.vmap(lambda h: classifier_rows(model, h, dim))(heads)
+    unit = rows / jnp.maximum(jnp.linalg.norm(rows, axis=-1, keepdims=True), 1e-12)
+    cos = jnp.einsum("icd,jcd->ijc", unit, unit)
     return jnp.maximum(0.0, jnp.mean(cos, axis=-1))
 
 
@@ -103,15 +99,15 @@ def update_similarity(w: jax.Array, selected: jax.Array, sim: jax.Array) -> jax.
 
 @dataclasses.dataclass(frozen=True)
 class PFedSim(Algorithm):
-    """pFedSim over a :class:`CNN`. Static; every method is pure and jittable."""
+    """pFedSim over any :class:`~pfedkdh_jax.engine.protocol.Model`. Static; every method is pure and jittable."""
 
-    model: CNN
+    model: Model
     config: PFedSimConfig = PFedSimConfig()
 
     name = "pfedsim"
 
     def init(self, key: jax.Array, data: FederatedData) -> PFedSimState:
-        params = self.model.init(key, data.input_shape)
+        params = C.init_params(self.model, key, data)
         k = data.num_clients
         return PFedSimState(params=params, models=C.broadcast(params, k),
                             similarity=jnp.eye(k, dtype=jnp.float32), round=jnp.zeros((), jnp.int32))
@@ -122,7 +118,7 @@ class PFedSim(Algorithm):
     # ------------------------------------------------------------------------------ client side
     @property
     def trainer(self) -> LocalTrainer:
-        return C.sgd_trainer(C.cross_entropy_loss(self.model), optax.sgd(self.config.lr), self.config)
+        return C.sgd_trainer(C.cross_entropy_loss(self.model), C.client_tx(self.config), self.config)
 
     def download(self, state: PFedSimState, client: jax.Array) -> PyTree:
         """Client ``client``'s starting model in a personalized round: the similarity-weighted mix of
@@ -161,7 +157,8 @@ class PFedSim(Algorithm):
         warm_w = jnp.where(switch, jnp.eye(k, dtype=jnp.float32), state.similarity)
         # personalized branch
         models = C.put(state.models, selected, updates.params)
-        w = update_similarity(state.similarity, selected, classifier_similarity(updates.params["head"]))
+        w = update_similarity(state.similarity, selected, classifier_similarity(self.model, updates.params["head"],
+                                                                    feature_dim(self.model, data.input_shape)))
 
         def pick(a, b):
             return jax.tree_util.tree_map(lambda x, y: jnp.where(personal, x, y), a, b)
@@ -179,6 +176,5 @@ class PFedSim(Algorithm):
 
 
 def from_config(cfg, num_classes: int, args: dict) -> PFedSim:
-    """pFedSim with the run's shared budget; ``args['warmup']``: R_w (fraction of the rounds, or a count)."""
-    return PFedSim(C.cnn(cfg, num_classes),
-                   PFedSimConfig(**C.local_config(cfg), rounds=cfg.rounds, warmup=args["warmup"]))
+    """PFedSim of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
+    return PFedSim(C.cnn(cfg, num_classes), PFedSimConfig(**C.local_config(cfg), **args, rounds=cfg.rounds))

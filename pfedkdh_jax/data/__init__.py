@@ -2,10 +2,12 @@
 
 =========================  ==========================================================================
 :mod:`.sources`            ``load_pool`` (tfds ArrayRecord dirs, the ``digits`` demo set), the decoded
-                           cache, ``normalize``, ``DataError``
+                           cache, ``pool_from_arrays`` (a user's arrays), ``normalize``, ``DataError``
 :mod:`.partition`          ``make_partition`` (D_s, Dirichlet clients, train/test splits),
-                           ``validation_partition``, summaries, ``padded_index_table``
+                           ``natural_partition`` (a client id per sample), ``validation_partition``,
+                           summaries, ``padded_index_table``
 :mod:`.device`             ``FederatedData`` (the pool and index tables on the device),
+                           ``from_arrays`` (federated data from a user's arrays, the one constructor),
                            ``build_federated_data``, ``gather_inputs``
 =========================  ==========================================================================
 
@@ -17,14 +19,16 @@ from __future__ import annotations
 
 import importlib
 
-from pfedkdh_jax.data.partition import (Partition, format_summary, make_partition, padded_index_table,
-                                        partition_summary, validation_partition)
-from pfedkdh_jax.data.sources import DATASETS, DataError, Pool, load_pool, normalize, resolve_data_dir
+from pfedkdh_jax.data.partition import (Partition, format_summary, make_partition, natural_partition,
+                                        padded_index_table, partition_summary, validation_partition)
+from pfedkdh_jax.data.sources import (DATASETS, DataError, Pool, load_pool, normalize, pool_from_arrays,
+                                      resolve_data_dir)
 
-_DEVICE = ("FederatedData", "build_federated_data", "gather_inputs")
+_DEVICE = ("FederatedData", "build_federated_data", "gather_inputs", "from_arrays")
 
 __all__ = ["DATASETS", "DataError", "Pool", "Partition", "load_pool", "normalize", "resolve_data_dir",
-           "make_partition", "validation_partition", "partition_summary", "format_summary",
+           "pool_from_arrays", "make_partition", "natural_partition", "validation_partition",
+           "partition_summary", "format_summary",
            "padded_index_table", *_DEVICE]
 
 

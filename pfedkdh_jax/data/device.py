@@ -26,7 +26,10 @@ from pfedkdh_jax.data.sources import Pool, normalize
 
 @struct.dataclass
 class FederatedData:
-    images: jax.Array          # uint8 [N, H, W, C], the whole pool
+    """The federated data on the device (build it with :func:`from_arrays`, or
+    :func:`build_federated_data` from a pool and a partition)."""
+
+    images: jax.Array          # [N, ...] the whole pool's inputs: uint8 pixels, or float/int features
     labels: jax.Array          # int32 [N]
     train_idx: jax.Array       # int32 [K, M_train], pool indices of each client's train split (padded)
     train_n: jax.Array         # int32 [K], true train sizes n_k
@@ -47,6 +50,13 @@ class FederatedData:
     eval_chunk: int = struct.field(pytree_node=False)     # test_flat / train_flat are padded to a multiple
     # stacked partitions (stack_partitions): the number of runs R (train_sizes: the per-client maximum)
     runs: int | None = struct.field(pytree_node=False, default=None)
+    # batches map uint8 pixels to [-1, 1] (method.md §2); else the inputs reach the model as stored
+    normalize: bool = struct.field(pytree_node=False, default=True)
+
+    @property
+    def input_dtype(self):
+        """The dtype of a batch's inputs as the model receives them."""
+        return jnp.float32 if self.normalize else self.images.dtype
 
     @property
     def max_train(self) -> int:
@@ -149,7 +159,8 @@ def owner_chunks(flat_idx, owner, num_clients: int, chunk: int):
 
 def build_federated_data(pool: Pool, partition: Partition, *, eval_chunk: int = 2048,
                          owner_chunk: int = 256) -> FederatedData:
-    """Place the pool and the partition's index tables on the default device (once).
+    """Place the pool and the partition's index tables on the default device (once); the inputs keep
+    their dtype (``pool.normalize`` says whether batches scale uint8 pixels to [-1, 1]).
 
     ``eval_chunk``: the flat test and train lists are padded to a multiple of it (evaluation computes
     features that many samples at a time); ``owner_chunk``: the chunk size of the owner-grouped test
@@ -164,7 +175,7 @@ def build_federated_data(pool: Pool, partition: Partition, *, eval_chunk: int = 
     pos = offsets[:, None] + np.arange(train_idx.shape[1])[None, :]
     pos = np.where(np.arange(train_idx.shape[1])[None, :] < train_n[:, None], pos, 0)
     return FederatedData(
-        images=jnp.asarray(pool.images, jnp.uint8),
+        images=jnp.asarray(pool.images),
         labels=jnp.asarray(pool.labels, jnp.int32),
         train_idx=jnp.asarray(train_idx, jnp.int32),
         train_n=jnp.asarray(train_n, jnp.int32),
@@ -182,9 +193,58 @@ def build_federated_data(pool: Pool, partition: Partition, *, eval_chunk: int = 
         input_shape=tuple(int(d) for d in pool.images.shape[1:]),
         train_sizes=tuple(int(n) for n in train_n),
         eval_chunk=int(eval_chunk),
+        normalize=bool(pool.normalize),
     )
 
 
+def from_arrays(inputs, labels, *, client_ids=None, num_clients: int | None = None, alpha: float | None = None,
+                partition: Partition | None = None, num_classes: int | None = None, aux_size: int = 0,
+                min_client_samples: int | None = None, balance_cap: bool = False, train_fraction: float = 0.75,
+                seed: int = 0, normalize: bool | None = None, eval_chunk: int = 2048) -> FederatedData:
+    """Federated data from a user's arrays, on the device (the tfds datasets come through here too).
+
+    * ``inputs [N, ...]``: any per-sample shape; ``uint8`` pixels are mapped to [-1, 1] in every batch
+      (method.md §2) unless ``normalize=False``; float features stay float, integer features stay
+      integer (the model receives them as stored);
+    * ``labels [N]``: integers in ``[0, num_classes)`` (default ``num_classes = max(labels) + 1``);
+    * the clients, one of: ``client_ids [N]`` (a natural partition: sample i belongs to client
+      ``client_ids[i]``, ids ``0 … K−1``); ``num_clients`` and ``alpha`` (the class-wise Dirichlet
+      partition of method.md §2, redrawn until every client holds ``min_client_samples``, default
+      10); or a ready :class:`~pfedkdh_jax.data.partition.Partition`;
+    * ``aux_size``: the server's auxiliary set D_s, drawn uniformly first (pFedKDH's teacher needs it);
+      ``train_fraction``: each client's train share, the rest its test split; ``seed``: the partition's.
+
+    Wrong shapes or dtypes, labels out of range, empty clients or an impossible partition stop with
+    one line (:class:`~pfedkdh_jax.data.sources.DataError`).
+    """
+    from pfedkdh_jax.data.partition import make_partition, natural_partition
+    from pfedkdh_jax.data.sources import DataError, pool_from_arrays
+
+    pool = pool_from_arrays(inputs, labels, num_classes=num_classes, normalize=normalize)
+    given = [name for name, v in (("client_ids", client_ids), ("num_clients/alpha", num_clients or alpha),
+                                  ("partition", partition)) if v is not None]
+    if len(given) != 1:
+        raise DataError("give the clients one way: client_ids (a natural partition), num_clients and alpha "
+                        f"(a Dirichlet partition) or a partition; got {' and '.join(given) or 'none'}")
+    if client_ids is not None:
+        if len(np.asarray(client_ids)) != len(pool.labels):
+            raise DataError(f"client_ids must hold one id per sample: {len(pool.labels)}; got {len(np.asarray(client_ids))}")
+        partition = natural_partition(client_ids, aux_size=aux_size, train_fraction=train_fraction, seed=seed,
+                                      min_client_samples=min_client_samples or 2)
+    elif partition is None:
+        if num_clients is None or alpha is None:
+            raise DataError("a Dirichlet partition needs both num_clients and alpha")
+        partition = make_partition(pool.labels, num_clients=num_clients, alpha=alpha, aux_size=aux_size,
+                                   min_client_samples=10 if min_client_samples is None else min_client_samples,
+                                   balance_cap=balance_cap, train_fraction=train_fraction, seed=seed)
+    elif max(int(np.max(a, initial=-1)) for a in (partition.aux_idx, *partition.train_idx, *partition.test_idx)) \
+            >= len(pool.labels):
+        raise DataError(f"the partition indexes samples beyond the {len(pool.labels)} given")
+    return build_federated_data(pool, partition, eval_chunk=eval_chunk)
+
+
 def gather_inputs(data: FederatedData, pool_idx: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Images (normalised to [-1, 1], float32) and labels of the given pool indices, on device."""
-    return normalize(data.images[pool_idx]), data.labels[pool_idx]
+    """Inputs and labels of the given pool indices, on device: uint8 pixels normalised to [-1, 1]
+    (float32) when ``data.normalize``, else the inputs as stored."""
+    x = data.images[pool_idx]
+    return (normalize(x) if data.normalize else x), data.labels[pool_idx]

@@ -4,6 +4,7 @@
   the rest over the clients with a class-wise Dirichlet partition (optionally balance-capped as in
   PFLlib), redraws until every client is large enough, and splits each client's samples into its own
   train and test sets;
+* :func:`natural_partition` takes the clients from the data (a client id per sample);
 * :func:`validation_partition` replaces every client's test split by a share of its train split
   (hyperparameter sweeps never read the test split);
 * :func:`partition_summary` / :func:`format_summary` describe a partition; :func:`padded_index_table`
@@ -169,13 +170,61 @@ def make_partition(labels, *, num_clients: int, alpha: float, aux_size: int, min
             "raise alpha or use fewer clients"
         )
 
+    return _split_clients(rng, aux_idx, clients, train_fraction)
+
+
+def _split_clients(rng: np.random.Generator, aux_idx: np.ndarray, clients: list, train_fraction: float) -> Partition:
+    """Each client's samples shuffled and split into ``max(1, min(n − 1, ⌊n·train_fraction⌋))`` train
+    samples and the rest as its test split."""
     train_idx, test_idx = [], []
     for members in clients:
         shuffled = members[rng.permutation(len(members))]
         n_train = max(1, min(len(members) - 1, int(np.floor(len(members) * train_fraction))))
         train_idx.append(np.sort(shuffled[:n_train]))
         test_idx.append(np.sort(shuffled[n_train:]))
-    return Partition(aux_idx=aux_idx, train_idx=tuple(train_idx), test_idx=tuple(test_idx), num_clients=num_clients)
+    return Partition(aux_idx=aux_idx, train_idx=tuple(train_idx), test_idx=tuple(test_idx),
+                     num_clients=len(clients))
+
+
+def natural_partition(client_ids, *, aux_size: int = 0, train_fraction: float = 0.75, seed: int = 0,
+                      min_client_samples: int = 2) -> Partition:
+    """A partition given by the data: sample i belongs to client ``client_ids[i]`` (as LEAF/FEMNIST-style
+    data come), the ids ``0 … K−1``.
+
+    D_s (``aux_size`` samples) is drawn uniformly at random from the whole pool first, as in
+    :func:`make_partition`; every client keeps the rest of its samples, split into train and test the
+    same way. Each client must hold at least ``min_client_samples`` (>= 2: one train and one test
+    sample) after D_s is drawn; otherwise :class:`DataError` names the first that does not.
+    """
+    ids = np.asarray(client_ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise DataError(f"client_ids must be a non-empty 1-D integer array with one id per sample (got shape "
+                        f"{ids.shape}, dtype {ids.dtype})")
+    if ids.min() < 0:
+        raise DataError(f"client_ids must be >= 0; got {int(ids.min())}")
+    n, aux_size, min_client_samples = len(ids), int(aux_size), int(min_client_samples)
+    if not 0 <= aux_size < n:
+        raise DataError(f"aux_size must be in [0, {n}) for a pool of {n} samples (got {aux_size})")
+    if min_client_samples < 2:
+        raise DataError(f"min_client_samples must be >= 2 (one train and one test sample; got {min_client_samples})")
+    if not 0.0 < float(train_fraction) < 1.0:
+        raise DataError(f"train_fraction must be in (0, 1) (got {train_fraction})")
+    rng = np.random.default_rng(seed)
+    aux_idx = np.sort(rng.choice(n, size=aux_size, replace=False)).astype(np.int64)
+    rest = np.setdiff1d(np.arange(n, dtype=np.int64), aux_idx)
+    k = int(ids.max()) + 1
+    if k < 2:
+        raise DataError(f"client_ids name {k} client; a federation needs >= 2")
+    counts = np.bincount(ids[rest], minlength=k)
+    small = np.flatnonzero(counts < min_client_samples)
+    if small.size:
+        c = int(small[0])
+        after = " after D_s is drawn" if aux_size else ""
+        raise DataError(f"client {c} holds {counts[c]} sample(s){after}; every client id 0..{k - 1} needs "
+                        f">= {min_client_samples} (one train and one test sample at least)")
+    order = rest[np.argsort(ids[rest], kind="stable")]
+    clients = np.split(order, np.cumsum(counts)[:-1])
+    return _split_clients(rng, aux_idx, clients, float(train_fraction))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -51,14 +51,21 @@ _DATA_DIR_ENV = "TFDS_DATA_DIR"
 
 @dataclasses.dataclass(frozen=True)
 class Pool:
-    """A whole dataset held in memory.
+    """A whole dataset held in memory: every sample a client, D_s or a test split may hold.
 
     Attributes:
-        images: ``uint8`` array ``[N, H, W, C]``: the official train split, then the official test split.
+        images: the inputs, ``[N, ...]`` of any per-sample shape: ``uint8`` pixels ``[N, H, W, C]`` (the
+            tfds datasets: the official train split, then the official test split), or any float or
+            integer features. Kept in their dtype (float data stay float).
         labels: ``int32`` array ``[N]`` with values in ``[0, num_classes)``.
         num_classes: number of classes.
-        name: dataset name, one of :data:`DATASETS`.
-        is_demo: ``True`` only for the offline ``"digits"`` demo pool.
+        name: dataset name (one of :data:`DATASETS`, or a user's name for arrays).
+        is_demo: ``True`` only for the offline ``"digits"`` demo pool and test pools.
+        normalize: whether batches map ``uint8`` pixels to ``[-1, 1]`` (method.md §2); ``None``: exactly
+            when the inputs are ``uint8``. Other inputs reach the model as they are (floats as float32).
+
+    Building one checks the arrays and stops with one line (:class:`DataError`) on a wrong shape,
+    dtype, label or a non-finite value.
     """
 
     images: np.ndarray
@@ -66,6 +73,50 @@ class Pool:
     num_classes: int
     name: str
     is_demo: bool
+    normalize: bool | None = None
+
+    def __post_init__(self):
+        x, y = self.images, self.labels
+        if not isinstance(x, np.ndarray) or x.ndim < 2:
+            raise DataError(f"inputs must be an array [N, ...] with one row per sample; got "
+                            f"{type(x).__name__} of shape {getattr(x, 'shape', None)}")
+        if not (np.issubdtype(x.dtype, np.number) or x.dtype == bool) or np.issubdtype(x.dtype, np.complexfloating):
+            raise DataError(f"inputs must hold real numbers (float or integer); got dtype {x.dtype}")
+        if np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(x)):
+            raise DataError("inputs hold non-finite values (nan or inf)")
+        if not isinstance(y, np.ndarray) or y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+            raise DataError(f"labels must be a 1-D integer array; got {type(y).__name__} of dtype "
+                            f"{getattr(y, 'dtype', None)} and shape {getattr(y, 'shape', None)}")
+        if len(y) != len(x):
+            raise DataError(f"inputs and labels must have one row per sample; got {len(x)} inputs and {len(y)} labels")
+        if int(self.num_classes) < 2:
+            raise DataError(f"num_classes must be >= 2; got {self.num_classes}")
+        if y.size and (y.min() < 0 or y.max() >= self.num_classes):
+            bad = int(y.min()) if y.min() < 0 else int(y.max())
+            raise DataError(f"labels must be in [0, num_classes={self.num_classes}); got {bad}")
+        if self.normalize and x.dtype != np.uint8:
+            raise DataError(f"normalize=True maps uint8 pixels to [-1, 1]; the inputs are {x.dtype} "
+                            "(pass normalize=False, or uint8 pixels)")
+        if self.normalize is None:
+            object.__setattr__(self, "normalize", x.dtype == np.uint8)
+
+
+def pool_from_arrays(inputs, labels, *, num_classes: int | None = None, normalize: bool | None = None,
+                     name: str = "arrays") -> Pool:
+    """A :class:`Pool` of a user's arrays: ``inputs [N, ...]`` (any per-sample shape, float or integer;
+    ``uint8`` pixels are normalised to [-1, 1] unless ``normalize=False``) and integer ``labels [N]``
+    (``num_classes``: default ``max(labels) + 1``). Wrong shapes, dtypes or labels: one-line
+    :class:`DataError`."""
+    x, y = np.asarray(inputs), np.asarray(labels)
+    if x.ndim == 1:
+        raise DataError(f"inputs must be [N, ...] with one row per sample (a feature vector is [N, D]); "
+                        f"got shape {x.shape}")
+    if y.ndim == 1 and np.issubdtype(y.dtype, np.integer):
+        y = y.astype(np.int32)
+        if num_classes is None:
+            num_classes = int(y.max()) + 1 if y.size else 0
+    return Pool(images=x, labels=y, num_classes=int(num_classes or 0), name=name, is_demo=False,
+                normalize=normalize)
 
 
 

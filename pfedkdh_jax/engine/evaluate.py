@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pfedkdh_jax.algorithms.base import Algorithm, EvalModels, Personalization
+from pfedkdh_jax.engine.protocol import Algorithm, EvalModels, Personalization
 from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.layout import Layout
@@ -44,11 +44,11 @@ class EvaluatePieces:
 
     # ------------------------------------------------------------------------------- features
     def features(self, backbone: PyTree, data: FederatedData, flat_idx: jax.Array) -> jax.Array:
-        """Features ``[N, 512]`` of a padded flat index list (``lax.map`` over chunks)."""
+        """Features ``[N, D]`` of a padded flat index list (``lax.map`` over chunks)."""
         return scoring.chunked_features(self.algo.model, backbone, data, flat_idx, data.eval_chunk)
 
     def owned_features(self, backbones: PyTree, data: FederatedData) -> jax.Array:
-        """Features ``[G·c, 512]`` of the owner-grouped test chunks, each from its owner's backbone."""
+        """Features ``[G·c, D]`` of the owner-grouped test chunks, each from its owner's backbone."""
         return scoring.owned_features(self.algo.model, backbones, data, data.owned_chunk, data.owned_idx)
 
     # --------------------------------------------------------------------------------- scores
@@ -62,7 +62,8 @@ class EvaluatePieces:
         else:
             labels, owner = data.labels[data.test_flat], data.test_client
         global_head = None if models.per_client else models.global_head
-        return scoring.score(model, feats, labels, owner, models.heads, global_head, k, models.extra_heads)
+        return scoring.score(model, feats, labels, owner, models.heads, global_head, k, models.extra_heads,
+                             models.head_logits)
 
     def score_global_model(self, models: EvalModels, feats: jax.Array, data: FederatedData) -> dict:
         """``global_*`` of ``models.global_model`` from its features of ``data.test_flat``."""

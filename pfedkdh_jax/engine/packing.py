@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pfedkdh_jax.algorithms.base import Algorithm
+from pfedkdh_jax.engine.protocol import Algorithm
 from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.round import LocalProblem, RoundPieces

@@ -19,8 +19,9 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from pfedkdh_jax.algorithms.base import Algorithm, ClientUpdate
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate
 from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
@@ -77,10 +78,16 @@ class LocalProblem:
 
 @dataclasses.dataclass(frozen=True)
 class RoundPieces:
-    """The pure pieces of a round of ``algo`` with ``layout`` (resolved); calling it is the round."""
+    """The pure pieces of a round of ``algo`` with ``layout`` (resolved); calling it is the round.
+
+    ``trace_scan``: the step loop was left to the backend; called inside a trace (a user's ``jit``,
+    ``vmap`` or ``scan``), the round then takes its steps in a ``lax.scan`` whatever the backend's
+    host-loop default (unrolled chunks on a CPU would unroll every local step into the user's program).
+    """
 
     algo: Algorithm
     layout: Layout
+    trace_scan: bool = False
 
     @property
     def problem(self) -> LocalProblem:
@@ -95,11 +102,24 @@ class RoundPieces:
 
     def __call__(self, state, data: FederatedData, selected: jax.Array, key: jax.Array):
         """One round: ``(state, data, selected [C], key) -> (state, metrics)``."""
-        updates = self.updates(state, data, selected, key)
+        pieces = self
+        if self.trace_scan and self.layout.step_loop != "scan" and isinstance(selected, jax.core.Tracer):
+            pieces = dataclasses.replace(self, layout=dataclasses.replace(self.layout, step_loop="scan"))
+        updates = pieces.updates(state, data, selected, key)
         return self.algo.server_update(state, data, selected, updates, key)
 
 
 def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:
     """The round of ``algo`` as a pure function ``(state, data, selected, key) -> (state, metrics)``
-    (un-jitted). ``layout`` fields left ``None`` take the default backend's choice."""
-    return RoundPieces(algo, layout.resolved())
+    (un-jitted). ``layout`` fields left ``None`` take the default backend's choice; a step loop left
+    ``None`` is a ``lax.scan`` when the round is called inside a trace (a user's ``jit``)."""
+    return RoundPieces(algo, layout.resolved(), trace_scan=layout.step_loop is None)
+
+
+def select_clients(key: jax.Array, num_clients: int, per_round: int) -> jax.Array:
+    """``per_round`` of ``num_clients`` clients, uniformly without replacement: ``int32 [C]``, traceable
+    (use it inside a ``jit`` or ``lax.scan``). Round ``t`` of :func:`~pfedkdh_jax.engine.runner.sample_schedule`
+    is ``select_clients(jax.random.fold_in(key, t), ...)``."""
+    if not 1 <= per_round <= num_clients:
+        raise ValueError(f"per_round must be in [1, num_clients={num_clients}]; got {per_round}")
+    return jax.random.choice(key, num_clients, (per_round,), replace=False).astype(jnp.int32)

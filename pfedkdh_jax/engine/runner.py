@@ -36,23 +36,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pfedkdh_jax.algorithms.base import Algorithm
+from pfedkdh_jax.engine.protocol import Algorithm
 from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.evaluate import evaluation, image_problem, make_evaluate
 from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer, tree_stack
 from pfedkdh_jax.engine.packing import make_packed_round
-from pfedkdh_jax.engine.round import LocalProblem, make_round, max_local_steps
+from pfedkdh_jax.engine.round import LocalProblem, make_round, max_local_steps, select_clients
 from pfedkdh_jax.engine.sharding import leading_axis_sharding, per_device, replicated
 
 PyTree = Any
 
 
 def sample_schedule(key: jax.Array, num_rounds: int, num_clients: int, per_round: int) -> np.ndarray:
-    """Selected clients of every round ``[T, C]``: uniformly, without replacement (host copy)."""
+    """Selected clients of every round ``[T, C]``: uniformly, without replacement (a host copy, for
+    host loops; row t is :func:`~pfedkdh_jax.engine.round.select_clients` of ``fold_in(key, t)``)."""
     def one(r):
-        return jax.random.choice(jax.random.fold_in(key, r), num_clients, (per_round,), replace=False)
+        return select_clients(jax.random.fold_in(key, r), num_clients, per_round)
     return np.asarray(jax.vmap(one)(jnp.arange(num_rounds)), dtype=np.int32)
 
 
@@ -269,29 +270,30 @@ class RoundRunner:
 
         # --- evaluation
         model = algo.model
-        ev = lambda name: lambda a: getattr(make_evaluate(a, layout), name)  # noqa: E731
+        def ev(a):   # the pure evaluation pieces of one (possibly rebuilt) algorithm
+            return make_evaluate(a, layout)
         self.models = compiled("eval_models", lambda a: a.eval_models, (0,))
         idx = None if d is None else 0   # flat index lists come from the data: stacked with it
         self._features_chunk = compiled(
             "features_chunk", lambda a: lambda b, data, i: scoring.features_of(model, b, data, i), (0, d, idx))
-        self._features_scan = compiled("features_scan", ev("features"), (0, d, idx))
+        self._features_scan = compiled("features_scan", lambda a: ev(a).features, (0, d, idx))
         self._owned_chunk = compiled(
             "owned_features_chunk",
             lambda a: lambda b, data, g: scoring.owned_features_of(model, b, data, data.owned_chunk[g],
                                                                    data.owned_idx[g]),
             (0, d, None))
-        self._owned_scan = compiled("owned_features_scan", ev("owned_features"), (0, d))
-        self.score = compiled("score", ev("score"), (0, 0, d))
-        self.score_global_model = compiled("score_global", ev("score_global_model"), (0, 0, d))
-        self.score_personal = compiled("score_personalized", ev("score"), (0, 0, d))
+        self._owned_scan = compiled("owned_features_scan", lambda a: ev(a).owned_features, (0, d))
+        self.score = compiled("score", lambda a: ev(a).score, (0, 0, d))
+        self.score_global_model = compiled("score_global", lambda a: ev(a).score_global_model, (0, 0, d))
+        self.score_personal = compiled("score_personalized", lambda a: ev(a).score, (0, 0, d))
         p = algo.personalization
         if p is not None and p.on_features:
-            self.adapted_on_features = compiled("personalize_on_features", ev("adapted_on_features"), (0, d, 0, 0))
+            self.adapted_on_features = compiled("personalize_on_features", lambda a: ev(a).adapted_on_features, (0, d, 0, 0))
         elif p is not None:
             self._personal = _ClientCalls(compiled, layout, lambda a: image_problem(a.personalization, layout.step_loop),
                                           image_problem(p, layout.step_loop), largest, "personalize_", d)
             self._personal_models = compiled("personalized_models", lambda a: a.personalization.models, (0, 0))
-            self._personal_fused = compiled("personalize", ev("adapted_on_images"), (0, d, 0), steps=True)
+            self._personal_fused = compiled("personalize", lambda a: ev(a).adapted_on_images, (0, d, 0), steps=True)
 
     def _packed(self, algo, reps, multi, options):
         """The one-call round with the local work of all repetitions packed into lanes."""

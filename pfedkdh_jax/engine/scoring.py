@@ -18,46 +18,48 @@ import jax
 import jax.numpy as jnp
 
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
-from pfedkdh_jax.model import CNN
+from pfedkdh_jax.engine.protocol import Model
 
 PyTree = Any
 
 
-def chunked_features(model: CNN, backbone: PyTree, data: FederatedData, flat_idx: jax.Array,
+def chunked_features(model: Model, backbone: PyTree, data: FederatedData, flat_idx: jax.Array,
                      chunk: int) -> jax.Array:
-    """Features ``[len(flat_idx), 512]`` computed ``chunk`` samples at a time with ``lax.map``."""
+    """Features ``[len(flat_idx), D]`` computed ``chunk`` samples at a time with ``lax.map``."""
     def one(idx):
         return model.features(backbone, gather_inputs(data, idx)[0])
     return jax.lax.map(one, flat_idx.reshape(-1, chunk)).reshape(flat_idx.shape[0], -1)
 
 
-def features_of(model: CNN, backbone: PyTree, data: FederatedData, idx: jax.Array) -> jax.Array:
+def features_of(model: Model, backbone: PyTree, data: FederatedData, idx: jax.Array) -> jax.Array:
     """Features of the given pool indices in one call (eval mode)."""
     return model.features(backbone, gather_inputs(data, idx)[0])
 
 
-def owned_features_of(model: CNN, backbones: PyTree, data: FederatedData, client: jax.Array,
+def owned_features_of(model: Model, backbones: PyTree, data: FederatedData, client: jax.Array,
                       idx: jax.Array) -> jax.Array:
     """Features of pool indices ``idx`` under client ``client``'s backbone (``backbones [K, ...]``)."""
     backbone = jax.tree_util.tree_map(lambda b: b[client], backbones)
     return features_of(model, backbone, data, idx)
 
 
-def owned_features(model: CNN, backbones: PyTree, data: FederatedData, chunk_owner: jax.Array,
+def owned_features(model: Model, backbones: PyTree, data: FederatedData, chunk_owner: jax.Array,
                    idx: jax.Array) -> jax.Array:
-    """Features ``[G·chunk, 512]`` of single-owner chunks ``idx [G, chunk]`` with ``lax.map``."""
+    """Features ``[G·chunk, D]`` of single-owner chunks ``idx [G, chunk]`` with ``lax.map``."""
     def one(args):
         return owned_features_of(model, backbones, data, *args)
     return jax.lax.map(one, (chunk_owner, idx)).reshape(idx.shape[0] * idx.shape[1], -1)
 
 
-def score(model: CNN, feats: jax.Array, labels: jax.Array, owner: jax.Array, heads: PyTree | None,
-          global_head: PyTree | None, num_clients: int, extra_heads: dict | None = None) -> dict:
+def score(model: Model, feats: jax.Array, labels: jax.Array, owner: jax.Array, heads: PyTree | None,
+          global_head: PyTree | None, num_clients: int, extra_heads: dict | None = None,
+          head_logits=None) -> dict:
     """Accuracies of the samples ``feats`` owned by ``owner`` (``num_clients`` marks padding).
 
     ``heads`` holds one head per client (``[K, ...]``); sample i is scored with ``heads[owner[i]]``
     (metrics ``personalized_*``); ``global_head`` scores every sample (``global_*``); each entry
     ``name: heads [K, ...]`` of ``extra_heads`` is scored like ``heads`` (``name_*``).
+    ``head_logits``: ``(head, z) -> logits`` for ``heads`` (None: ``model.logits_from_features``).
     Returns device scalars plus the per-client accuracies ``[K]``.
     """
     k = num_clients
@@ -65,7 +67,8 @@ def score(model: CNN, feats: jax.Array, labels: jax.Array, owner: jax.Array, hea
     metrics = {}
     named = ({"personalized": heads} if heads is not None else {}) | dict(extra_heads or {})
     for prefix, client_heads in named.items():
-        metrics.update(_accuracies(_owner_logits(model, client_heads, feats, owner, k), labels, owner,
+        fn = head_logits if prefix == "personalized" and head_logits is not None else model.logits_from_features
+        metrics.update(_accuracies(_owner_logits(fn, client_heads, feats, owner, k), labels, owner,
                                    valid, k, prefix))
     if global_head is not None:
         metrics.update(_accuracies(model.logits_from_features(global_head, feats), labels, owner,
@@ -73,11 +76,11 @@ def score(model: CNN, feats: jax.Array, labels: jax.Array, owner: jax.Array, hea
     return metrics
 
 
-def _owner_logits(model: CNN, heads: PyTree, feats: jax.Array, owner: jax.Array, k: int) -> jax.Array:
-    """Logits of sample i under ``heads[owner[i]]``."""
+def _owner_logits(head_logits, heads: PyTree, feats: jax.Array, owner: jax.Array, k: int) -> jax.Array:
+    """Logits of sample i under ``heads[owner[i]]`` (``head_logits(head, z)``)."""
     safe_owner = jnp.minimum(owner, k - 1)
     # Logits of every sample under every client head: [T, K, classes]; cheap next to the backbone.
-    all_logits = jax.vmap(model.logits_from_features, in_axes=(0, None), out_axes=1)(heads, feats)
+    all_logits = jax.vmap(head_logits, in_axes=(0, None), out_axes=1)(heads, feats)
     return jnp.take_along_axis(all_logits, safe_owner[:, None, None], axis=1)[:, 0]
 
 

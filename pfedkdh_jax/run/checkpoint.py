@@ -37,9 +37,15 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used for this run; the message says why."""
 
 
+# options added after checkpoints were first written: left out of the hash at these (their defaults,
+# the behaviour before they existed), so a checkpoint written before them still resumes
+_ADDED_LATER = {"optimizer": "sgd", "momentum": None, "weight_decay": None}
+
+
 def fingerprint(config: dict, partition) -> dict[str, str]:
     """Hashes of what a checkpoint depends on: the config (less paths/length) and the partition."""
-    cfg = {k: v for k, v in sorted(config.items()) if k not in _NOT_FINGERPRINTED}
+    cfg = {k: v for k, v in sorted(config.items()) if k not in _NOT_FINGERPRINTED
+           and not (k in _ADDED_LATER and v == _ADDED_LATER[k])}
     h = hashlib.sha256()
     for arr in (partition.aux_idx, *partition.train_idx, *partition.test_idx):
         h.update(np.asarray(arr, np.int64).tobytes())

@@ -10,6 +10,20 @@ import sys
 from pfedkdh_jax.run.config import METHODS, PRESETS, ConfigError, RunConfig, make_config
 from pfedkdh_jax.data import DATASETS, DataError
 
+def _pfedkdh_flags() -> list[tuple]:
+    """pFedKDH's options as flags, from its config class (their one source: help and checks); its
+    boolean options are the switches below."""
+    import dataclasses
+
+    from pfedkdh_jax.algorithms import PFEDKDH_OPTIONS
+    from pfedkdh_jax.algorithms.configs import PFedKDHConfig
+
+    fields = {f.name: f for f in dataclasses.fields(PFedKDHConfig)}
+    types = {"float": float, "int": int, "str": str, "float | None": float}
+    return [("--" + name.replace("_", "-"), name, types[fields[name].type], fields[name].metadata["help"])
+            for name in PFEDKDH_OPTIONS if fields[name].type != "bool"]
+
+
 # flag -> (RunConfig field, type, help). Defaults come from the preset, then RunConfig.
 _FLAGS = [
     ("--method", "method", str, f"algorithm: {', '.join(METHODS)}"),
@@ -33,17 +47,12 @@ _FLAGS = [
     ("--train-fraction", "train_fraction", float, "per-client train share (rest = client test split)"),
     ("--validation-fraction", "validation_fraction", float,
      "> 0: score on this share of client train data instead of the test split (for sweeps)"),
-    ("--lam", "lam", float, "λ, distillation weight in [0, 1]"),
-    ("--temperature", "temperature", float, "distillation temperature T"),
-    ("--mu", "mu", float, "proximal weight μ"),
     ("--dropout", "dropout", float, "backbone dropout rate"),
-    ("--teacher-epochs", "teacher_epochs", int, "teacher-head refit epochs over D_s per round"),
-    ("--warmup-epochs", "warmup_epochs", int, "E_w: epochs of training on D_s before round 0"),
-    ("--ea-steps", "ea_steps", int, "pFedKDH-EA head-only steps (0: no EA)"),
-    ("--ea-lr", "ea_lr", float, "pFedKDH-EA learning rate (default: --lr)"),
-    ("--ea-epochs", "ea_epochs", int, "> 0: pFedKDH-EA takes this many epochs over each client's train split"),
-    ("--kd-target", "kd_target", str, "distilled teacher distribution: plain (paper) | support | prior"),
-    ("--kd-gate", "kd_gate", str, "per-sample trust in the teacher: none (paper) | confidence | correct | better | adaptive"),
+    ("--optimizer", "optimizer", str, "the client optimizer: sgd (the paper's) | momentum | adam | adamw"),
+    ("--momentum", "momentum", float, "with --optimizer momentum (default 0.9)"),
+    ("--weight-decay", "weight_decay", float, "L2 weight decay added to the gradient (sgd, momentum, adam) or "
+                                              "AdamW's decoupled decay (default 0; AdamW 1e-4)"),
+    *_pfedkdh_flags(),
     ("--eval-every", "eval_every", int, "evaluate every N rounds (and the last)"),
     ("--ea-every", "ea_every", int, "EA evaluation every N rounds (and the last)"),
     ("--client-parallel", "client_parallel", str, "vmap | sequential (default: per backend)"),

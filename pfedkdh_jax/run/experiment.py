@@ -22,12 +22,13 @@ import numpy as np
 
 from pfedkdh_jax import algorithms
 from pfedkdh_jax import data as data_lib
-from pfedkdh_jax.data.device import build_federated_data, run_slice, stack_partitions
-from pfedkdh_jax.algorithms.base import message_bytes
+from pfedkdh_jax.data.device import from_arrays, run_slice, stack_partitions
+from pfedkdh_jax.engine.protocol import message_bytes
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import tree_stack
 from pfedkdh_jax.engine.runner import PhasedRunner, sample_schedule
 from pfedkdh_jax.run.checkpoint import CheckpointError, Checkpoints, fingerprint
+from pfedkdh_jax.run.lock import locked
 from pfedkdh_jax.run.config import ConfigError, RunConfig, validate
 from pfedkdh_jax.run import preflight, records
 
@@ -172,9 +173,16 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
         _check_stackable(cfgs)
         if return_state:
             raise ConfigError("return_state takes one run")
-    cfg = cfgs[0]
     for c in cfgs:
         _check_writable(c.out)
+    with locked([c.out for c in cfgs]):
+        return _run_stacked(cfgs, progress=progress, log=log, return_state=return_state, resume=resume)
+
+
+def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bool, resume: bool) -> list:
+    """:func:`run_stacked` once its run directories are checked and locked."""
+    stacked = len(cfgs) > 1
+    cfg = cfgs[0]
     pool = data_lib.load_pool(cfg.dataset, data_dir=cfg.data_dir, cache_dir=cfg.cache_dir)
     if pool.is_demo:
         log(f"NOTE: '{cfg.dataset}' is scikit-learn's bundled 8x8 digits upscaled to 28x28: a demo set "
@@ -191,7 +199,8 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
         parts.append(part)
         part_summaries.append(part_summary)
         ckpts.append(ck)
-    datas = [build_federated_data(pool, part, eval_chunk=cfg.eval_chunk) for part in parts]
+    datas = [from_arrays(pool.images, pool.labels, partition=part, num_classes=pool.num_classes,
+                         normalize=pool.normalize, eval_chunk=cfg.eval_chunk) for part in parts]
     layout = engine_layout(cfg)
     members = [(i, c.seed + r) for i, c in enumerate(cfgs) for r in range(c.reps)]
     batched = len(members) > 1 and resolved_reps_mode(cfg) == "vmap"

@@ -1,6 +1,23 @@
-"""The protocol between a federated method and the engine.
+"""The two contracts the engine runs on: what a *model* is and what a *method* is.
 
-A method is a frozen dataclass deriving from :class:`Algorithm` that holds static hyperparameters
+**The model** (:class:`Model`). Any object with three pure functions of explicit parameters:
+
+=============================================  ==================================================
+``init(key, input_shape) -> params``           ``{"backbone": θ, "head": φ}`` for inputs of one
+                                               sample's shape (e.g. ``(28, 28, 1)``)
+``features(backbone, x, *, rng=None)``         ``[B, D]`` features of a batch ``x [B, ...]``;
+                                               training mode (dropout) iff ``rng`` is given
+``logits_from_features(head, z)``              ``[B, num_classes]`` logits of features ``z [B, D]``
+=============================================  ==================================================
+
+The feature size D is the model's own (:func:`feature_dim` reads it from the shapes). Parameters
+must be arrays only (no mutable collections such as batch statistics). The paper's CNN
+(:class:`pfedkdh_jax.model.CNN`) is one implementation; :mod:`pfedkdh_jax.adapters` wraps a flax.linen
+backbone/head pair (``LinenModel``) or flax.nnx modules (``NNXModel``). Methods reach a model only
+through these three functions (and :func:`logits`), so every method works with any conforming model;
+:func:`check_model` rejects a non-conforming object with one error naming what is missing.
+
+**The method** (:class:`Algorithm`). A method is a frozen dataclass deriving from :class:`Algorithm` that holds static hyperparameters
 only (never parameters) and supplies pure functions of explicit state and keys:
 
 =====================  ==================================================================  ============
@@ -36,14 +53,91 @@ each, :class:`ClientUpdate` and :class:`EvalModels`, whatever the method.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Callable, ClassVar
 
 import flax.struct as struct
 import jax
+import jax.numpy as jnp
 
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer, mean_loss
 
 PyTree = Any
+Params = Any
+
+
+# ------------------------------------------------------------------------------------------ model
+@typing.runtime_checkable
+class Model(typing.Protocol):
+    """A model split into a backbone and a linear (or any) head; see the module docstring."""
+
+    def init(self, key: jax.Array, input_shape: tuple[int, ...]) -> Params: ...
+
+    def features(self, backbone: Params, x: jax.Array, *, rng: jax.Array | None = None) -> jax.Array: ...
+
+    def logits_from_features(self, head: Params, z: jax.Array) -> jax.Array: ...
+
+
+_MODEL_FUNCTIONS = {"init": "init(key, input_shape) -> {'backbone': ..., 'head': ...}",
+                    "features": "features(backbone, x, *, rng=None) -> [B, D]",
+                    "logits_from_features": "logits_from_features(head, z) -> [B, num_classes]"}
+
+
+def check_model(model: Any, where: str = "model") -> Any:
+    """``model`` itself if it has the three functions of :class:`Model`; else a ``TypeError`` naming
+    what is missing (and the adapter to use for a flax module)."""
+    missing = [sig for name, sig in _MODEL_FUNCTIONS.items() if not callable(getattr(model, name, None))]
+    if not missing:
+        return model
+    hint = ""
+    if hasattr(model, "apply") and hasattr(model, "init"):
+        hint = ("; a flax.linen module is not a model by itself: wrap a backbone module and a head module "
+                "with pfedkdh_jax.LinenModel(backbone, head)")
+    elif type(model).__module__.startswith("flax.nnx") or hasattr(model, "__nnx_repr__"):
+        hint = "; wrap flax.nnx modules with pfedkdh_jax.NNXModel(backbone, head)"
+    raise TypeError(f"{where}: the {type(model).__name__} given is not a pfedkdh_jax Model: it lacks "
+                    f"{', '.join(missing)}{hint}")
+
+
+def logits(model: Model, params: Params, x: jax.Array, *, rng: jax.Array | None = None) -> jax.Array:
+    """``h_φ(b_θ(x))``: the logits of the whole model ``params = {"backbone", "head"}``."""
+    return model.logits_from_features(params["head"], model.features(params["backbone"], x, rng=rng))
+
+
+def feature_dim(model: Model, input_shape: tuple[int, ...]) -> int:
+    """The size D of ``model``'s features for inputs of ``input_shape`` (from shapes: nothing runs)."""
+    def feats(key):
+        params = model.init(key, tuple(input_shape))
+        return model.features(params["backbone"], jnp.zeros((1, *input_shape), jnp.float32))
+    return int(jax.eval_shape(feats, jax.random.key(0)).shape[-1])
+
+
+def init_params(model: Model, key: jax.Array, input_shape: tuple[int, ...], num_classes: int,
+                input_dtype=jnp.float32) -> Params:
+    """``model.init(key, input_shape)``, after checking from shapes alone (nothing is computed twice)
+    that the parameters are ``{"backbone", "head"}`` of arrays, the features ``[B, D]`` and the
+    logits ``[B, num_classes]``; a ``ValueError`` names the first mismatch."""
+    name = type(model).__name__
+    shape = tuple(input_shape)
+    params = jax.eval_shape(lambda k: model.init(k, shape), key)
+    if not isinstance(params, dict) or set(params) != {"backbone", "head"}:
+        got = f"a dict with keys {sorted(params)}" if isinstance(params, dict) else f"a {type(params).__name__}"
+        raise ValueError(f"{name}.init(key, {shape}) must return {{'backbone': ..., 'head': ...}}; got {got}")
+    bad = [x for x in jax.tree_util.tree_leaves(params) if not hasattr(x, "shape")]
+    if bad:
+        raise ValueError(f"{name}.init returned leaves that are not arrays ({type(bad[0]).__name__}): "
+                         "parameters must be arrays only")
+    x = jax.ShapeDtypeStruct((2, *shape), input_dtype)
+    z = jax.eval_shape(lambda p, x: model.features(p["backbone"], x), params, x)
+    if getattr(z, "ndim", None) != 2 or z.shape[0] != 2:
+        raise ValueError(f"{name}.features(backbone, x) must return [B, D] features for x of shape "
+                         f"{(2, *shape)}; got shape {getattr(z, 'shape', type(z).__name__)}")
+    out = jax.eval_shape(lambda p, z: model.logits_from_features(p["head"], z), params, z)
+    if getattr(out, "shape", None) != (2, num_classes):
+        raise ValueError(f"{name}.logits_from_features(head, z) must return [B, {num_classes}] logits "
+                         f"(the data's classes) for z of shape {z.shape}; got shape {getattr(out, 'shape', None)}")
+    return model.init(key, shape)
+
 
 
 @struct.dataclass
@@ -73,7 +167,9 @@ class EvalModels:
     * ``global_model``: a whole model ``{"backbone", "head"}`` scored on every test sample
       (``global_*``); methods with per-client backbones only;
     * ``extra_heads``: ``{name: heads [K, ...]}`` scored like ``heads`` on the same features
-      (``name_*`` metrics), e.g. FedProto's own heads next to its prototypes.
+      (``name_*`` metrics), e.g. FedProto's own heads next to its prototypes;
+    * ``head_logits``: ``(head, z [B, D]) -> logits`` for ``heads`` when they are not the model's own
+      heads (FedProto's nearest-prototype rule); ``None``: the model's ``logits_from_features``.
     """
 
     backbone: PyTree
@@ -82,6 +178,7 @@ class EvalModels:
     global_model: PyTree = None
     extra_heads: dict | None = None
     per_client: bool = struct.field(pytree_node=False, default=False)
+    head_logits: Callable | None = struct.field(pytree_node=False, default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +208,7 @@ class Personalization:
 @dataclasses.dataclass(frozen=True)
 class Phase:
     """Consecutive rounds run by one algorithm. A method of several phases lists them in order; the
-    algorithms of its phases share one state type (so checkpoints and the repetition axis are those of
+    Algorithm objects of its phases share one state type (so checkpoints and the repetition axis are those of
     any method), and ``enter(state, data, key) -> state`` prepares the state at the phase's first round
     (e.g. FedFed builds its shared pool there)."""
 
@@ -129,6 +226,12 @@ class Algorithm:
     """Base of every method: the pieces of the protocol, with their defaults (module docstring)."""
 
     name: ClassVar[str] = ""
+
+    def __post_init__(self):
+        """A method's model is checked when the method is built (one error naming what is missing)."""
+        model = getattr(self, "model", None)
+        if model is not None:
+            check_model(model, f"{type(self).__name__}(model=...)")
 
     # ---------------------------------------------------------------------------------- set-up
     def init(self, key: jax.Array, data) -> PyTree:
@@ -185,11 +288,18 @@ class Algorithm:
     # ------------------------------------------------------------------------ stacked values
     def with_hparams(self, values: dict) -> "Algorithm":
         """This algorithm with the config fields ``values`` replaced, inside a trace: runs stacked
-        along the repetition axis that differ in plain-number hyperparameters (the method's
-        ``MethodSpec.traced`` fields) each rebuild their algorithm from their own traced scalars. A
-        method may read such a field only in arithmetic (no Python ``if`` on it: see
-        :func:`~pfedkdh_jax.algorithms.common.may_be_nonzero`). Default: ``self.config`` replaced."""
-        return dataclasses.replace(self, config=dataclasses.replace(self.config, **values))
+        along the repetition axis that differ in plain-number hyperparameters each rebuild their
+        algorithm from their own traced scalars. Only the fields the config declares traceable
+        (its class attribute ``TRACEABLE``) may be replaced; another stops with a ``ValueError``
+        naming it. A method reads such a field only in arithmetic (no Python ``if`` on it).
+        Default: ``self.config`` replaced."""
+        config = self.config
+        allowed = tuple(getattr(type(config), "TRACEABLE", ()))
+        for field in values:
+            if field not in allowed:
+                raise ValueError(f"{type(config).__name__}.{field} cannot take a traced value (it may set shapes "
+                                 f"or control flow); traceable fields: {', '.join(allowed) or 'none'}")
+        return dataclasses.replace(self, config=dataclasses.replace(config, **values))
 
     # ---------------------------------------------------------------------------------- phases
     @property

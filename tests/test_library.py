@@ -1,0 +1,190 @@
+"""pfedkdh_jax as building blocks (issue 23): a user's model, optimizer and data, every method by
+name, and the pure pieces inside a user's own ``jit`` / ``lax.scan``."""
+
+import importlib.metadata
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pfedkdh_jax as p
+from pfedkdh_jax.data import DataError, load_pool
+
+NAMES = ("FedAvg", "FedProx", "FedPer", "FedRep", "FedBABU", "Ditto", "PFedMe", "FedProto", "FedALA", "PFedSim",
+         "FedFed", "PFedKDH")
+# small local work for one round on the digits set (every other value the config's default)
+SMALL = {"FedRep": dict(head_epochs=1), "FedBABU": dict(finetune_epochs=1), "PFedMe": dict(inner_steps=2),
+         "FedALA": dict(start_epochs=1), "PFedSim": dict(rounds=2, warmup=1),
+         "FedFed": dict(feature_rounds=1, vae_width=8), "PFedKDH": dict(lam=0.5, ea_steps=2, teacher_epochs=1)}
+
+
+class SmallBackbone(nn.Module):
+    """Not the paper's CNN: one strided convolution and a 128-d feature."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3), strides=(2, 2))(x))
+        return nn.relu(nn.Dense(128)(x.reshape(x.shape[0], -1)))
+
+
+@pytest.fixture(scope="module")
+def digits():
+    pool = load_pool("digits")
+    return p.from_arrays(pool.images[:600], pool.labels[:600], num_clients=4, alpha=1.0, aux_size=60, seed=0)
+
+
+def small_model():
+    return p.LinenModel(SmallBackbone(), nn.Dense(10))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_method_by_name_trains_a_users_128d_model(digits, name):
+    config = getattr(p, name + "Config")(local_epochs=1, batch_size=32, **SMALL.get(name, {}))
+    algo = getattr(p, name)(small_model(), config)
+    state = algo.init(jax.random.key(0), digits)
+    round_fn = jax.jit(p.make_round(algo, p.Layout("vmap", "scan")))
+    new, metrics = round_fn(state, digits, jnp.array([0, 2], jnp.int32), jax.random.key(1))
+    assert np.isfinite(float(metrics["train_loss"]))
+    moved = [not np.allclose(a, b) for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(new))
+             if jnp.issubdtype(a.dtype, jnp.floating)]
+    assert any(moved)
+    scores = jax.jit(p.make_evaluate(algo, p.Layout("vmap", "scan")))(new, digits, jax.random.key(2))
+    assert 0.0 <= float(scores["personalized_macro_accuracy"]) <= 1.0
+
+
+def test_a_model_that_is_not_one_is_named():
+    with pytest.raises(TypeError, match="LinenModel"):        # a bare flax module
+        p.FedAvg(SmallBackbone())
+    with pytest.raises(TypeError, match="object given is not a pfedkdh_jax Model: it lacks init.*features.*logits_from_features"):
+        p.FedPer(object())
+
+
+def test_model_shapes_are_checked_before_anything_runs(digits):
+    class NoSplit:
+        def init(self, key, shape):
+            return (1, 2)
+
+        def features(self, b, x, *, rng=None):
+            return x
+
+        def logits_from_features(self, h, z):
+            return z
+    with pytest.raises(ValueError, match=r"must return \{'backbone': ..., 'head': ...\}; got a tuple"):
+        p.FedAvg(NoSplit()).init(jax.random.key(0), digits)
+    wrong_head = p.LinenModel(SmallBackbone(), nn.Dense(7))
+    with pytest.raises(ValueError, match=r"\[B, 10\] logits"):
+        p.FedPer(wrong_head).init(jax.random.key(0), digits)
+
+
+def test_configs_check_their_fields_in_python_terms():
+    with pytest.raises(p.OptionError, match=r"FedProxConfig.mu must be >= 0; got -1"):
+        p.FedProxConfig(mu=-1)
+    with pytest.raises(ValueError, match=r"PFedKDHConfig.kd_gate must be one of"):
+        p.PFedKDHConfig(kd_gate="sometimes")
+    assert p.FedProxConfig(mu=0.1).mu == 0.1 and p.FedBABUConfig().finetune_epochs == 5
+
+
+def test_injected_optimizer_and_a_stackable_learning_rate(digits):
+    model = small_model()
+    adamw = p.FedAvg(model, p.FedAvgConfig(local_epochs=1, optimizer=lambda lr: optax.adamw(lr, weight_decay=1e-4)))
+    sgd = p.FedAvg(model, p.FedAvgConfig(local_epochs=1))
+    state = sgd.init(jax.random.key(0), digits)
+    sel, key = jnp.array([1, 3], jnp.int32), jax.random.key(1)
+    a = jax.jit(p.make_round(adamw, p.Layout("vmap", "scan")))(state, digits, sel, key)[0]
+    b = jax.jit(p.make_round(sgd, p.Layout("vmap", "scan")))(state, digits, sel, key)[0]
+    assert not np.allclose(a.head["kernel"], b.head["kernel"])
+    # the learning rate of a factory stays traceable: two values vmapped as one program
+    def round_at(lr):
+        return p.make_round(adamw.with_hparams({"lr": lr}), p.Layout("vmap", "scan"))(state, digits, sel, key)[0]
+    both = jax.jit(jax.vmap(round_at))(jnp.array([0.015, 0.0]))
+    np.testing.assert_allclose(both.head["kernel"][0], a.head["kernel"], rtol=1e-5, atol=1e-6)
+    # lr 0: unchanged (up to the rounding of the weighted average of identical heads)
+    np.testing.assert_allclose(both.head["kernel"][1], state.head["kernel"], rtol=0, atol=1e-7)
+    fixed = p.FedAvg(model, p.FedAvgConfig(optimizer=optax.adam(1e-3)))
+    with pytest.raises(ValueError, match="FedAvgConfig.lr cannot take a traced value"):
+        jax.jit(lambda lr: fixed.with_hparams({"lr": lr}).config.lr)(0.1)
+    with pytest.raises(ValueError, match="FedAvgConfig.local_epochs cannot take a traced value.*traceable fields: lr"):
+        sgd.with_hparams({"local_epochs": 3})
+
+
+def test_the_round_inside_a_users_jit_and_scan_uses_a_scan(digits):
+    algo = p.FedPer(small_model(), p.FedPerConfig(local_epochs=1))
+    state = algo.init(jax.random.key(0), digits)
+    round_fn = p.make_round(algo)                      # the backend's layout (unrolled chunks on a CPU host loop)
+
+    def train(state, key):
+        def body(s, t):
+            k = jax.random.fold_in(key, t)
+            return round_fn(s, digits, p.select_clients(k, 4, 2), k)[0], None
+        return jax.lax.scan(body, state, jnp.arange(2))[0]
+
+    jaxpr = str(jax.make_jaxpr(train)(state, jax.random.key(3)))
+    assert jaxpr.count("conv_general_dilated") < 12    # the local steps are not unrolled into the program
+    out = jax.jit(train)(state, jax.random.key(3))
+    # the same two rounds by the host runner, clients from the same selection
+    runner, s = p.RoundRunner(algo, digits), state
+    for t in range(2):
+        k = jax.random.fold_in(jax.random.key(3), t)
+        s = runner.round(s, digits, np.asarray(p.select_clients(k, 4, 2)), k)[0]
+    np.testing.assert_allclose(out.heads["kernel"], s.heads["kernel"], rtol=2e-4, atol=2e-5)
+    schedule = p.sample_schedule(jax.random.key(5), 3, 20, 10)
+    assert np.array_equal(schedule[2], np.asarray(p.select_clients(jax.random.fold_in(jax.random.key(5), 2), 20, 10)))
+
+
+def test_float_features_and_a_natural_partition():
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 300)
+    x = (rng.random((300, 6)) * 0.5 + y[:, None] * 0.25).astype(np.float32)   # values in [0, 1): kept
+    clients = np.repeat(np.arange(5), 60)
+    data = p.from_arrays(x, y, client_ids=clients, aux_size=30, seed=1)
+    assert data.images.dtype == jnp.float32 and not data.normalize
+    np.testing.assert_array_equal(np.asarray(data.images), x)
+    assert data.num_clients == 5 and data.num_classes == 3
+    total = int(data.train_n.sum() + data.test_n.sum()) + 30
+    assert total == 300
+    owners = [set(clients[np.asarray(data.train_idx[k, :int(data.train_n[k])])]) for k in range(5)]
+    assert owners == [{k} for k in range(5)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(x=np.zeros(10), y=np.zeros(10, int), client_ids=np.arange(10) % 2), "inputs must be"),
+    (dict(x=np.zeros((10, 3)), y=np.arange(10) - 1, client_ids=np.arange(10) % 2), "labels must be in"),
+    (dict(x=np.zeros((10, 3)), y=np.zeros(9, int), client_ids=np.arange(10) % 2), "one row per sample"),
+    (dict(x=np.zeros((10, 3)), y=np.arange(10) % 2, client_ids=np.array([0] * 5 + [2] * 5)), "client 1 holds 0"),
+    (dict(x=np.zeros((10, 3)), y=np.arange(10) % 2), "give the clients one way"),
+    (dict(x=np.full((10, 3), np.nan), y=np.zeros(10, int), client_ids=np.arange(10) % 2), "non-finite"),
+])
+def test_bad_arrays_stop_with_one_line(args, message):
+    with pytest.raises(DataError, match=message) as err:
+        p.from_arrays(args.pop("x"), args.pop("y"), **args)
+    assert "\n" not in str(err.value)
+
+
+def test_nnx_modules_as_a_model(digits):
+    from flax import nnx
+
+    class Body(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(28 * 28, 64, rngs=rngs)
+
+        def __call__(self, x):
+            return nnx.relu(self.fc(x.reshape(x.shape[0], -1)))
+
+    model = p.NNXModel(lambda rngs: Body(rngs), lambda rngs: nnx.Linear(64, 10, rngs=rngs))
+    algo = p.FedPer(model, p.FedPerConfig(local_epochs=1))
+    state = algo.init(jax.random.key(0), digits)
+    assert state.heads["kernel"].shape == (4, 64, 10)
+    new, metrics = jax.jit(p.make_round(algo, p.Layout("vmap", "scan")))(state, digits, jnp.array([0, 1]),
+                                                                          jax.random.key(1))
+    assert np.isfinite(float(metrics["train_loss"])) and not np.allclose(new.backbone["fc"]["kernel"],
+                                                                         state.backbone["fc"]["kernel"])
+
+
+def test_the_engine_imports_no_method_and_one_version():
+    engine = pathlib.Path(p.__file__).parent / "engine"
+    assert not [f.name for f in engine.glob("*.py") if "algorithms" in f.read_text()]
+    assert p.__version__ == importlib.metadata.version("pfedkdh_jax")
