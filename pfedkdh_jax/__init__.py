@@ -22,7 +22,7 @@ _METHODS = {"PFedKDH": "pfedkdh", "FedAvg": "fedavg", "FedProx": "fedprox", "Fed
 _EXPORTS = {
     # data
     "DATASETS": "data", "DataError": "data", "Pool": "data", "Partition": "data", "load_pool": "data",
-    "make_partition": "data", "natural_partition": "data", "pool_from_arrays": "data",
+    "make_partition": "data", "shards_partition": "data", "natural_partition": "data", "pool_from_arrays": "data",
     "partition_summary": "data", "format_summary": "data",
     "FederatedData": "data.device", "build_federated_data": "data.device", "from_arrays": "data.device",
     # models: the protocol, the paper's CNN, adapters of a user's flax modules

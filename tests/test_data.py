@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pfedkdh_jax import data
-from pfedkdh_jax.data import DataError
+from pfedkdh_jax.data import DataError, make_partition
 
 NUM_CLASSES = 10
 SHARED_TFDS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tfds"
@@ -309,3 +309,54 @@ def test_real_mnist_pool_and_cache(tmp_path):
     assert np.array_equal(again.images, pool.images) and np.array_equal(again.labels, pool.labels)
     assert sorted(str(p) for p in (root / "mnist").rglob("*")) == before  # nothing written in the data dir
     shutil.rmtree(cache)
+
+
+# ------------------------------------------------------------------ many clients: top-up fill, shards
+def test_top_up_fill_partitions_a_thousand_clients_that_no_redraw_can():
+    labels = np.random.default_rng(0).integers(0, 10, 20000)
+    with pytest.raises(DataError, match="fill='top_up'"):
+        make_partition(labels, num_clients=1000, alpha=0.1, aux_size=500, min_client_samples=5, max_redraws=3,
+                       fill="redraw")
+    part = make_partition(labels, num_clients=1000, alpha=0.1, aux_size=500, min_client_samples=5)   # auto: top_up
+    sizes = np.array([len(a) + len(b) for a, b in zip(part.train_idx, part.test_idx)])
+    assert sizes.min() == 5 and sizes.sum() == 19500          # everyone at the minimum, nothing lost
+    every = np.concatenate([part.aux_idx, *part.train_idx, *part.test_idx])
+    assert len(np.unique(every)) == len(labels)               # each sample exactly once
+    # the same arguments, the same partition; the skew of the draw stays (few classes a client)
+    again = make_partition(labels, num_clients=1000, alpha=0.1, aux_size=500, min_client_samples=5, fill="top_up")
+    assert all(np.array_equal(a, b) for a, b in zip(part.train_idx, again.train_idx))
+    assert all(np.array_equal(a, b) for a, b in zip(part.train_idx, again.train_idx))
+    classes = [len(np.unique(labels[np.concatenate([a, b])])) for a, b in zip(part.train_idx, part.test_idx)]
+    assert np.median(classes) <= 3
+    # where the first draw already satisfies the minimum, top_up is the draw itself (no sample moved)
+    a = make_partition(labels, num_clients=5, alpha=1.0, aux_size=0, min_client_samples=2, fill="top_up", seed=3)
+    b = make_partition(labels, num_clients=5, alpha=1.0, aux_size=0, min_client_samples=2, seed=3)
+    assert all(np.array_equal(x, y) for x, y in zip(a.train_idx, b.train_idx))
+    with pytest.raises(DataError, match="fill must be one of"):
+        make_partition(labels, num_clients=5, alpha=1.0, aux_size=0, fill="more")
+
+
+def test_shards_give_each_client_its_shards_of_sorted_labels():
+    from pfedkdh_jax.data import shards_partition
+    labels = np.repeat(np.arange(10), 100)
+    part = shards_partition(labels, num_clients=50, shards_per_client=2, aux_size=0, seed=1)
+    held = [np.concatenate([a, b]) for a, b in zip(part.train_idx, part.test_idx)]
+    assert [len(h) for h in held] == [20] * 50
+    assert max(len(np.unique(labels[h])) for h in held) <= 2   # one class per shard of 10 here
+    assert len(np.unique(np.concatenate(held))) == 1000
+    with pytest.raises(DataError, match="fewer than 2 samples"):
+        shards_partition(labels, num_clients=600, shards_per_client=1, aux_size=0)
+
+
+def test_run_config_chooses_the_partition():
+    from pfedkdh_jax.run.config import ConfigError, make_config
+    from pfedkdh_jax.run.experiment import prepare_data
+    _, part, _ = prepare_data(make_config("smoke", partition="shards", shards_per_client=1, num_clients=10,
+                                          aux_size=100))
+    pool = data.load_pool("digits")
+    assert part.num_clients == 10 and max(
+        len(np.unique(pool.labels[np.concatenate([a, b])])) for a, b in zip(part.train_idx, part.test_idx)) <= 2
+    for bad, match in [(dict(partition="iid"), "--partition"), (dict(fill="some"), "--fill"),
+                       (dict(shards_per_client=0), "--shards-per-client")]:
+        with pytest.raises(ConfigError, match=match):
+            make_config(**bad)

@@ -4,7 +4,8 @@
 :mod:`.sources`            ``load_pool`` (tfds ArrayRecord dirs, the ``digits`` demo set), the decoded
                            cache, ``pool_from_arrays`` (a user's arrays), ``normalize``, ``DataError``
 :mod:`.partition`          ``make_partition`` (D_s, Dirichlet clients, train/test splits),
-                           ``natural_partition`` (a client id per sample), ``validation_partition``,
+                           ``shards_partition`` (label-sorted shards), ``natural_partition`` (a
+                           client id per sample), ``validation_partition``,
                            summaries, ``padded_index_table``
 :mod:`.device`             ``FederatedData`` (the pool and index tables on the device),
                            ``from_arrays`` (federated data from a user's arrays, the one constructor),
@@ -20,14 +21,15 @@ from __future__ import annotations
 import importlib
 
 from pfedkdh_jax.data.partition import (Partition, format_summary, make_partition, natural_partition,
-                                        padded_index_table, partition_summary, validation_partition)
+                                        padded_index_table, partition_summary, shards_partition,
+                                        validation_partition)
 from pfedkdh_jax.data.sources import (DATASETS, DataError, Pool, load_pool, normalize, pool_from_arrays,
                                       resolve_data_dir)
 
 _DEVICE = ("FederatedData", "build_federated_data", "gather_inputs", "from_arrays")
 
 __all__ = ["DATASETS", "DataError", "Pool", "Partition", "load_pool", "normalize", "resolve_data_dir",
-           "pool_from_arrays", "make_partition", "natural_partition", "validation_partition",
+           "pool_from_arrays", "make_partition", "shards_partition", "natural_partition", "validation_partition",
            "partition_summary", "format_summary",
            "padded_index_table", *_DEVICE]
 

@@ -199,8 +199,9 @@ def build_federated_data(pool: Pool, partition: Partition, *, eval_chunk: int = 
 
 def from_arrays(inputs, labels, *, client_ids=None, num_clients: int | None = None, alpha: float | None = None,
                 partition: Partition | None = None, num_classes: int | None = None, aux_size: int = 0,
-                min_client_samples: int | None = None, balance_cap: bool = False, train_fraction: float = 0.75,
-                seed: int = 0, normalize: bool | None = None, eval_chunk: int = 2048) -> FederatedData:
+                min_client_samples: int | None = None, balance_cap: bool = False, fill: str = "auto",
+                train_fraction: float = 0.75, seed: int = 0, normalize: bool | None = None,
+                eval_chunk: int = 2048) -> FederatedData:
     """Federated data from a user's arrays, on the device (the tfds datasets come through here too).
 
     * ``inputs [N, ...]``: any per-sample shape; ``uint8`` pixels are mapped to [-1, 1] in every batch
@@ -210,7 +211,8 @@ def from_arrays(inputs, labels, *, client_ids=None, num_clients: int | None = No
     * the clients, one of: ``client_ids [N]`` (a natural partition: sample i belongs to client
       ``client_ids[i]``, ids ``0 … K−1``); ``num_clients`` and ``alpha`` (the class-wise Dirichlet
       partition of method.md §2, redrawn until every client holds ``min_client_samples``, default
-      10); or a ready :class:`~pfedkdh_jax.data.partition.Partition`;
+      10; above 100 clients, or with ``fill="top_up"``, drawn once and topped up); or a ready
+      :class:`~pfedkdh_jax.data.partition.Partition` (e.g. :func:`~pfedkdh_jax.data.partition.shards_partition`);
     * ``aux_size``: the server's auxiliary set D_s, drawn uniformly first (pFedKDH's teacher needs it);
       ``train_fraction``: each client's train share, the rest its test split; ``seed``: the partition's.
 
@@ -236,7 +238,8 @@ def from_arrays(inputs, labels, *, client_ids=None, num_clients: int | None = No
             raise DataError("a Dirichlet partition needs both num_clients and alpha")
         partition = make_partition(pool.labels, num_clients=num_clients, alpha=alpha, aux_size=aux_size,
                                    min_client_samples=10 if min_client_samples is None else min_client_samples,
-                                   balance_cap=balance_cap, train_fraction=train_fraction, seed=seed)
+                                   balance_cap=balance_cap, train_fraction=train_fraction, seed=seed,
+                                   fill=fill)
     elif max(int(np.max(a, initial=-1)) for a in (partition.aux_idx, *partition.train_idx, *partition.test_idx)) \
             >= len(pool.labels):
         raise DataError(f"the partition indexes samples beyond the {len(pool.labels)} given")

@@ -2,8 +2,11 @@
 
 * :func:`make_partition` draws the auxiliary server set D_s uniformly at random from the pool, splits
   the rest over the clients with a class-wise Dirichlet partition (optionally balance-capped as in
-  PFLlib), redraws until every client is large enough, and splits each client's samples into its own
-  train and test sets;
+  PFLlib), redraws until every client is large enough (or, with ``fill="top_up"``, draws once and
+  tops the small clients up from the largest: the form that scales to thousands of clients), and
+  splits each client's samples into its own train and test sets;
+* :func:`shards_partition` gives each client s shards of the label-sorted samples (the FedAvg paper's
+  pathological split);
 * :func:`natural_partition` takes the clients from the data (a client id per sample);
 * :func:`validation_partition` replaces every client's test split by a share of its train split
   (hyperparameter sweeps never read the test split);
@@ -16,6 +19,7 @@ Host numpy only; invalid options raise :class:`~pfedkdh_jax.data.sources.DataErr
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import Sequence
 
@@ -46,9 +50,15 @@ class Partition:
 # --------------------------------------------------------------------------------------------------------------
 
 
+FILLS = ("auto", "redraw", "top_up")   # how make_partition meets min_client_samples
+AUTO_REDRAW_MAX_CLIENTS = 100          # fill="auto": the paper's redraw up to this many clients, top_up above
+
+
 def _validate_partition_args(n: int, num_clients: int, alpha: float, aux_size: int, min_client_samples: int,
-                             train_fraction: float, max_redraws: int) -> None:
+                             train_fraction: float, max_redraws: int, fill: str = "auto") -> None:
     """Raises :class:`DataError` (one line: option name and allowed range) for an invalid partition option."""
+    if fill not in FILLS:
+        raise DataError(f"fill must be one of {', '.join(FILLS)} (got {fill!r})")
     if not (np.isfinite(alpha) and alpha > 0):
         raise DataError(f"alpha must be > 0 (got {alpha})")
     if num_clients < 2:
@@ -102,9 +112,32 @@ def _dirichlet_assignment(rng: np.random.Generator, labels: np.ndarray, pool_idx
     return chunks
 
 
+def _top_up(rng: np.random.Generator, clients: list, min_size: int) -> list:
+    """Every client under ``min_size`` takes random samples from the currently largest client (a donor
+    never drops below ``min_size``), in client order, until it holds ``min_size``. Needs
+    ``sum(sizes) >= K · min_size``. Moves ``sum(max(0, min_size − n_k))`` samples, nothing else."""
+    clients = list(clients)
+    short = [k for k, c in enumerate(clients) if len(c) < min_size]
+    donors = [(-len(c), k) for k, c in enumerate(clients) if len(c) > min_size]
+    heapq.heapify(donors)
+    for k in short:
+        need, taken = min_size - len(clients[k]), [clients[k]]
+        while need > 0:
+            _, d = heapq.heappop(donors)
+            take = min(need, len(clients[d]) - min_size)
+            pick = rng.permutation(len(clients[d]))
+            taken.append(clients[d][pick[:take]])
+            clients[d] = clients[d][np.sort(pick[take:])]
+            need -= take
+            if len(clients[d]) > min_size:
+                heapq.heappush(donors, (-len(clients[d]), d))
+        clients[k] = np.concatenate(taken)
+    return clients
+
+
 def make_partition(labels, *, num_clients: int, alpha: float, aux_size: int, min_client_samples: int = 10,
                    balance_cap: bool = False, train_fraction: float = 0.75, seed: int = 0,
-                   max_redraws: int = 1000) -> Partition:
+                   max_redraws: int = 1000, fill: str = "auto") -> Partition:
     """Splits a pool into the auxiliary set D_s and ``num_clients`` label-skewed clients (method.md section 2).
 
     1. D_s: ``aux_size`` pool indices drawn uniformly at random without replacement.
@@ -112,8 +145,14 @@ def make_partition(labels, *, num_clients: int, alpha: float, aux_size: int, min
        class's samples are shuffled, ``p_c ~ Dir(alpha * 1_K)`` is drawn and the samples are cut at
        ``floor(cumsum(p_c) * n_c)``.  With ``balance_cap=True`` (the PFLlib variant) a client already holding
        ``>= N / K`` samples gets proportion 0 for the class and the other proportions are renormalised.
-       The whole class-wise draw is repeated until every client holds ``>= min_client_samples`` samples;
-       D_s is drawn once and kept.
+       ``fill="redraw"`` (the paper's): the whole class-wise draw is repeated until every client
+       holds ``>= min_client_samples`` samples; D_s is drawn once and kept. ``fill="top_up"``: one
+       draw, then every client under the minimum takes random samples from the currently largest
+       client until it holds the minimum (with 1,000 clients at α = 0.1 no redraw succeeds, and each
+       costs a whole draw; the top-up moves only the missing samples, so the draw's label skew stays;
+       a first draw that satisfies the minimum is kept as it is, as with redraw). ``fill="auto"``
+       (default): redraw up to 100 clients (every partition of the paper's size unchanged), top_up
+       above.
     3. Each client's samples are shuffled and split into ``max(1, min(n - 1, floor(n * train_fraction)))``
        train samples and the rest as test samples, so every client has at least one of each.
 
@@ -128,7 +167,8 @@ def make_partition(labels, *, num_clients: int, alpha: float, aux_size: int, min
         balance_cap: use the PFLlib balance cap described above.
         train_fraction: share of each client's samples used for training, in ``(0, 1)``.
         seed: seed of the partition generator.
-        max_redraws: number of Dirichlet draws tried before giving up.
+        max_redraws: number of Dirichlet draws tried before giving up (``fill="redraw"``).
+        fill: ``"auto"``, ``"redraw"`` or ``"top_up"`` (above).
 
     Returns:
         A :class:`Partition` whose index arrays are sorted ``int64`` pool indices.
@@ -146,7 +186,7 @@ def make_partition(labels, *, num_clients: int, alpha: float, aux_size: int, min
     num_clients, aux_size, min_client_samples, max_redraws = (
         int(num_clients), int(aux_size), int(min_client_samples), int(max_redraws))
     alpha, train_fraction = float(alpha), float(train_fraction)
-    _validate_partition_args(n, num_clients, alpha, aux_size, min_client_samples, train_fraction, max_redraws)
+    _validate_partition_args(n, num_clients, alpha, aux_size, min_client_samples, train_fraction, max_redraws, fill)
 
     rng = np.random.default_rng(seed)
     aux_idx = np.sort(rng.choice(n, size=aux_size, replace=False)).astype(np.int64)
@@ -156,6 +196,12 @@ def make_partition(labels, *, num_clients: int, alpha: float, aux_size: int, min
 
     clients = None
     smallest = 0
+    if fill == "auto":
+        fill = "redraw" if num_clients <= AUTO_REDRAW_MAX_CLIENTS else "top_up"
+    if fill == "top_up":
+        chunks = _dirichlet_assignment(rng, labels, rest, num_clients, alpha, balance_cap)
+        drawn = [np.concatenate(parts) if parts else np.empty(0, np.int64) for parts in chunks]
+        return _split_clients(rng, aux_idx, _top_up(rng, drawn, min_client_samples), train_fraction)
     for _ in range(max_redraws):
         chunks = _dirichlet_assignment(rng, labels, rest, num_clients, alpha, balance_cap)
         candidate = [np.concatenate(parts) if parts else np.empty(0, np.int64) for parts in chunks]
@@ -167,10 +213,42 @@ def make_partition(labels, *, num_clients: int, alpha: float, aux_size: int, min
         raise DataError(
             f"no partition gave every client >= min_client_samples={min_client_samples} samples in "
             f"max_redraws={max_redraws} draws (smallest client: {smallest}); lower min_client_samples, "
-            "raise alpha or use fewer clients"
+            "raise alpha, use fewer clients or fill='top_up' (draw once, top small clients up from the largest)"
         )
 
     return _split_clients(rng, aux_idx, clients, train_fraction)
+
+
+def shards_partition(labels, *, num_clients: int, shards_per_client: int = 2, aux_size: int = 0,
+                     train_fraction: float = 0.75, seed: int = 0) -> Partition:
+    """The FedAvg paper's pathological split: D_s drawn first as in :func:`make_partition`, the rest
+    sorted by label, cut into ``num_clients · shards_per_client`` shards of (nearly) equal size, and
+    each client given ``shards_per_client`` shards at random (so at most that many classes each)."""
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(
+            f"labels must be a non-empty 1-D integer array (got shape {labels.shape}, dtype {labels.dtype})")
+    n, num_clients, per, aux_size = len(labels), int(num_clients), int(shards_per_client), int(aux_size)
+    if num_clients < 2:
+        raise DataError(f"num_clients must be >= 2 (got {num_clients})")
+    if per < 1:
+        raise DataError(f"shards_per_client must be >= 1 (got {per})")
+    if not 0 <= aux_size < n:
+        raise DataError(f"aux_size must be in [0, {n}) for a pool of {n} samples (got {aux_size})")
+    if not 0.0 < float(train_fraction) < 1.0:
+        raise DataError(f"train_fraction must be in (0, 1) (got {train_fraction})")
+    left = n - aux_size
+    if (left // (num_clients * per)) * per < 2:
+        raise DataError(f"{num_clients} clients × {per} shards of the {left} samples left after aux_size={aux_size} "
+                        "give a client fewer than 2 samples (one train, one test): use fewer clients or shards")
+    rng = np.random.default_rng(seed)
+    aux_idx = np.sort(rng.choice(n, size=aux_size, replace=False)).astype(np.int64)
+    rest = np.setdiff1d(np.arange(n, dtype=np.int64), aux_idx)
+    rest = rest[rng.permutation(len(rest))]                    # ties within a class in random order
+    shards = np.array_split(rest[np.argsort(labels[rest], kind="stable")], num_clients * per)
+    deal = rng.permutation(len(shards))
+    clients = [np.concatenate([shards[j] for j in deal[k * per:(k + 1) * per]]) for k in range(num_clients)]
+    return _split_clients(rng, aux_idx, clients, float(train_fraction))
 
 
 def _split_clients(rng: np.random.Generator, aux_idx: np.ndarray, clients: list, train_fraction: float) -> Partition:

@@ -43,7 +43,13 @@ _FLAGS = [
     ("--reps-mode", "reps_mode", str, "vmap: repetitions in one program; sequential; auto: per backend"),
     ("--data-seed", "data_seed", int, "seed of the partition and D_s (default 0)"),
     ("--aux-size", "aux_size", int, "|D_s|, the server's auxiliary set"),
-    ("--min-client-samples", "min_client_samples", int, "partition redrawn until each client has this many"),
+    ("--min-client-samples", "min_client_samples", int, "every client holds at least this many (see --fill)"),
+    ("--partition", "partition", str, "dirichlet (method.md §2, default) | shards (each client --shards-per-client "
+                                      "label-sorted shards, FedAvg's pathological split)"),
+    ("--shards-per-client", "shards_per_client", int, "shards a client gets with --partition shards (default 2)"),
+    ("--fill", "fill", str, "how a Dirichlet split meets --min-client-samples: redraw the whole split | top_up "
+                            "(one draw, small clients topped up from the largest) | auto (default: redraw up to "
+                            "100 clients, top_up above)"),
     ("--train-fraction", "train_fraction", float, "per-client train share (rest = client test split)"),
     ("--validation-fraction", "validation_fraction", float,
      "> 0: score on this share of client train data instead of the test split (for sweeps)"),

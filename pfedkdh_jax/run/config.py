@@ -38,8 +38,12 @@ class RunConfig:
     alpha: float = 0.1                 # Dirichlet concentration of the label skew
     num_clients: int = 20              # K
     aux_size: int = 5000               # |D_s|, drawn from the pool first
-    min_client_samples: int = 10       # partition redrawn until every client holds at least this many
+    min_client_samples: int = 10       # every client holds at least this many (see fill)
     balance_cap: bool = False          # PFLlib's capped Dirichlet variant
+    partition: str = "dirichlet"       # dirichlet (method.md §2) | shards (label-sorted shards, FedAvg's)
+    shards_per_client: int = 2         # with --partition shards
+    fill: str = "auto"                 # Dirichlet minimum: redraw the split | top_up from the largest |
+                                       # auto (redraw up to 100 clients, top_up above)
     train_fraction: float = 0.75       # per-client train share; the rest is the client's test split
     validation_fraction: float = 0.0   # >0: score on a split of client *train* data instead (sweeps)
     data_seed: int = 0                 # partition and D_s
@@ -186,6 +190,9 @@ def validate(cfg: RunConfig) -> RunConfig:
            f"--reps-mode must be auto, vmap or sequential; got {cfg.reps_mode!r}")
     _check(cfg.aux_size >= 1, f"--aux-size must be >= 1; got {cfg.aux_size}")
     _check(cfg.min_client_samples >= 2, f"--min-client-samples must be >= 2; got {cfg.min_client_samples}")
+    _check(cfg.partition in ("dirichlet", "shards"), f"--partition must be dirichlet or shards; got {cfg.partition!r}")
+    _check(cfg.shards_per_client >= 1, f"--shards-per-client must be >= 1; got {cfg.shards_per_client}")
+    _check(cfg.fill in ("auto", "redraw", "top_up"), f"--fill must be auto, redraw or top_up; got {cfg.fill!r}")
     _check(0 < cfg.train_fraction < 1, f"--train-fraction must be in (0, 1); got {cfg.train_fraction}")
     _check(0 <= cfg.validation_fraction < 1,
            f"--validation-fraction must be in [0, 1); got {cfg.validation_fraction}")

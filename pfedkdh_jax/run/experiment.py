@@ -56,10 +56,15 @@ def prepare_data(cfg: RunConfig, pool: data_lib.Pool | None = None) -> tuple[dat
     if cfg.aux_size >= len(pool.labels):
         raise data_lib.DataError(f"--aux-size must be < the pool size {len(pool.labels)} of "
                                  f"{cfg.dataset}; got {cfg.aux_size}")
-    part = data_lib.make_partition(
-        pool.labels, num_clients=cfg.num_clients, alpha=cfg.alpha, aux_size=cfg.aux_size,
-        min_client_samples=cfg.min_client_samples, balance_cap=cfg.balance_cap,
-        train_fraction=cfg.train_fraction, seed=cfg.data_seed)
+    if getattr(cfg, "partition", "dirichlet") == "shards":
+        part = data_lib.shards_partition(
+            pool.labels, num_clients=cfg.num_clients, shards_per_client=cfg.shards_per_client,
+            aux_size=cfg.aux_size, train_fraction=cfg.train_fraction, seed=cfg.data_seed)
+    else:
+        part = data_lib.make_partition(
+            pool.labels, num_clients=cfg.num_clients, alpha=cfg.alpha, aux_size=cfg.aux_size,
+            min_client_samples=cfg.min_client_samples, balance_cap=cfg.balance_cap,
+            train_fraction=cfg.train_fraction, seed=cfg.data_seed, fill=getattr(cfg, "fill", "auto"))
     if cfg.validation_fraction > 0:
         part = data_lib.validation_partition(part, cfg.validation_fraction, cfg.data_seed)
     return pool, part, data_lib.partition_summary(part, pool.labels, pool.num_classes)
