@@ -77,8 +77,22 @@ def sync(name: str) -> list[str]:
             os.makedirs(dst, exist_ok=True)
             for f in KEPT:
                 shutil.copy2(os.path.join(src, f), os.path.join(dst, f))
+            _relative_paths(os.path.join(dst, "config.json"))
             new.append(point)
     return new
+
+
+def _relative_paths(config_path: str) -> None:
+    """A committed point's config names its paths relative to the project (this machine's absolute
+    paths mean nothing elsewhere; paths are not part of a run's fingerprint)."""
+    with open(config_path) as f:
+        cfg = json.load(f)
+    for key in ("out", "data_dir", "cache_dir"):
+        if isinstance(cfg.get(key), str) and os.path.isabs(cfg[key]):
+            cfg[key] = os.path.relpath(os.path.dirname(config_path) if key == "out" else cfg[key], REPO)
+    with open(config_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
 
 
 def restore(name: str) -> list[str]:
