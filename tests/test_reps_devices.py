@@ -93,8 +93,10 @@ def _run_on_devices(n, out, reps, layout, reps_mode="vmap"):
 
 
 @pytest.mark.parametrize("devices, reps, layout", [
-    (2, 2, ("sequential", "unrolled")), (2, 1, ("vmap", "scan")),
-    pytest.param(8, 8, ("sequential", "unrolled"), marks=pytest.mark.slow)])  # 2-2 shards the same way
+    (2, 2, ("sequential", "unrolled")),
+    # the fused round's client axis over devices (an accelerator's form), and 8-8 (2-2 shards the same way)
+    pytest.param(2, 1, ("vmap", "scan"), marks=pytest.mark.slow),
+    pytest.param(8, 8, ("sequential", "unrolled"), marks=pytest.mark.slow)])
 def test_sharded_over_fake_devices_matches_one_device(tmp_path, devices, reps, layout):
     """reps=2 on 2 devices and reps=8 on 8 devices shard the repetition axis (CPU layout); reps=1 on
     2 devices shards the 2 clients of the fused round (vmap + scan).
