@@ -12,7 +12,7 @@ DATA_DIR = tfds_data_dir()
 @pytest.mark.skipif(DATA_DIR is None, reason="no tfds data dir with MNIST (set TFDS_DATA_DIR)")
 def test_short_real_mnist_run_learns(tmp_path):
     # Paper protocol (20 clients, α = 0.1, ρ = 0.5, batch 64, lr 0.015) shortened to 3 rounds of 1 epoch.
-    cfg = make_config("paper", dataset="mnist", data_dir=DATA_DIR, rounds=3, local_epochs=1, ea_every=3,
+    cfg = make_config("paper", dataset="mnist", data_dir=DATA_DIR, rounds=3, local_epochs=1, ea_every=3, eval_every=3,
                       out=str(tmp_path / "run"))
     summary = run(cfg, progress=False, log=lambda *_: None)
     assert summary["partition"]["num_clients"] == 20

@@ -87,9 +87,9 @@ def two_rounds(algo, data, layout, seed=0, selected=SELECTED, vmapped=None):
 # (every method with --runslow; all passed in the full runs)
 LAYOUT_SLOW = ("fedfed", "fedavg", "fedprox", "fedper")
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in LAYOUT_SLOW else n for n in algorithms.METHODS]
-# Repetitions by default for four methods of different state layouts; every method with --runslow
+# Repetitions by default for two methods of different state layouts (CI's 20 minutes); every method with --runslow
 # (all passed in the full runs since the repetition axis landed for every method).
-REPS_QUICK = ("pfedkdh", "fedproto", "ditto", "pfedsim")
+REPS_QUICK = ("pfedkdh", "fedproto")
 REPS_NAMES = [n if n in REPS_QUICK else pytest.param(n, marks=pytest.mark.slow) for n in algorithms.METHODS]
 
 

@@ -45,8 +45,8 @@ def run_reps(data, seeds, form, rounds=2):
                                   pytest.param(("vmap", "scan"), marks=pytest.mark.slow)])
 def test_repetition_in_a_batch_equals_the_seed_alone(tiny, form):
     _, _, data = tiny
-    batch, ev, runner = run_reps(data, [3, 4, 5], form)
-    for r, seed in enumerate([3, 4, 5]):
+    batch, ev, runner = run_reps(data, [3, 4], form)
+    for r, seed in enumerate([3, 4]):
         alone, ev1, _ = run_reps(data, [seed], form)
         for a, b in zip(jax.tree_util.tree_leaves(batch), jax.tree_util.tree_leaves(alone)):
             np.testing.assert_allclose(np.asarray(a)[r], np.asarray(b)[0], atol=1e-5, rtol=1e-5)
@@ -93,8 +93,9 @@ def _run_on_devices(n, out, reps, layout, reps_mode="vmap"):
 
 
 @pytest.mark.parametrize("devices, reps, layout", [
-    (2, 2, ("sequential", "unrolled")),
-    # the fused round's client axis over devices (an accelerator's form), and 8-8 (2-2 shards the same way)
+    # with --runslow (CI's 20 minutes): the repetition axis over devices is not a CPU default (the
+    # clients spread over devices are: the next test), nor is the fused round's client axis
+    pytest.param(2, 2, ("sequential", "unrolled"), marks=pytest.mark.slow),
     pytest.param(2, 1, ("vmap", "scan"), marks=pytest.mark.slow),
     pytest.param(8, 8, ("sequential", "unrolled"), marks=pytest.mark.slow)])
 def test_sharded_over_fake_devices_matches_one_device(tmp_path, devices, reps, layout):

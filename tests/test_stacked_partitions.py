@@ -33,8 +33,8 @@ from test_protocol import LAYOUT_TOL, build, close
 SEEDS = [3, 4]
 SCHEDULE = [[np.array([2, 0]), np.array([1, 3])], [np.array([0, 1]), np.array([3, 2])]]   # per run, per round
 # two methods of different state layouts by default (a shared backbone, K stored bodies); every
-# other one with --runslow
-QUICK = ("pfedkdh", "pfedsim")
+# other one with --runslow (pFedSim's stacked run too: CI's 20 minutes)
+QUICK = ("pfedkdh",)
 NAMES = [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in algorithms.METHODS if n != "fedfed"]
 
 
@@ -113,7 +113,8 @@ def test_a_stacked_run_equals_its_solo_run(two_partitions, name):
 
 
 @pytest.mark.parametrize("name, layout", [
-    ("pfedkdh", ("sequential", "unrolled")), ("fedbabu", ("sequential", "unrolled")),
+    ("pfedkdh", ("sequential", "unrolled")),
+    pytest.param("fedbabu", ("sequential", "unrolled"), marks=pytest.mark.slow),   # CI's 20 minutes
     # the one-call round of vmap + scan is the pure round checked above, compiled: slow
     pytest.param("pfedkdh", ("vmap", "scan"), marks=pytest.mark.slow),
     pytest.param("pfedkdh", ("vmap", "unrolled"), marks=pytest.mark.slow),
@@ -201,6 +202,7 @@ def test_run_stacked_writes_every_run_as_its_solo_run(tmp_path, mode):
     assert _numbers(_rows(cfgs[0].out)) == first
 
 
+@pytest.mark.slow   # CI's 20 minutes (solo runs' kill-and-resume: test_run_management)
 def test_a_stacked_point_resumes_alone(tmp_path):
     """One repetition per α, vmapped: each directory's checkpoint is a solo run's (no repetition axis),
     so ``resume`` of one directory alone continues it; the stack resumes from them too."""

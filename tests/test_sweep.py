@@ -83,6 +83,12 @@ def test_sweep_tables_rerun_and_interrupted_resume(tmp_path):
     assert any(line.startswith("[3/4]") and "restarting" in line for line in resumed)
     assert csv_rows(b) == rows                            # the tables of the uninterrupted sweep
 
+
+@pytest.mark.slow   # CI's 20 minutes; run_stacked itself is tested in test_stacked_partitions
+def test_a_stacked_sweep_writes_the_tables_of_the_sweep_point_by_point(tmp_path):
+    a = str(tmp_path / "a")
+    run_sweep(grid(), a, log=lambda m: None)
+    rows = csv_rows(a)
     # stacked: each method's two α values as one program (4 repetitions vmapped), the same tables
     c = str(tmp_path / "c")
     stacked_log = []

@@ -394,3 +394,24 @@ def validation_partition(part: Partition, fraction: float, seed: int) -> Partiti
         val.append(np.sort(idx[:n_val]))
         train.append(np.sort(idx[n_val:]))
     return dataclasses.replace(part, train_idx=tuple(train), test_idx=tuple(val))
+
+
+def evaluation_clients(num_clients: int, count: int, seed: int) -> np.ndarray:
+    """A fixed random subset of ``count`` of the ``num_clients`` clients (sorted ids), the same for a
+    data seed whatever the run's seed: the clients ``--eval-clients`` scores."""
+    if not 1 <= count <= num_clients:
+        raise DataError(f"--eval-clients must be between 1 and the {num_clients} clients; got {count}")
+    return np.sort(np.random.default_rng([seed, 2]).choice(num_clients, count, replace=False))
+
+
+def evaluation_view(part: Partition, clients) -> Partition:
+    """The partition an evaluation of only ``clients`` reads: theirs unchanged, every other client's
+    train and test splits empty (client ids, hence per-client state, keep their places). Evaluating
+    on it computes features of the chosen clients' samples only; the macro accuracy averages over
+    the clients that hold test samples, i.e. over ``clients``."""
+    keep = np.zeros(part.num_clients, bool)
+    keep[np.asarray(clients)] = True
+    empty = np.zeros(0, np.int64)
+    return dataclasses.replace(
+        part, train_idx=tuple(t if keep[k] else empty for k, t in enumerate(part.train_idx)),
+        test_idx=tuple(t if keep[k] else empty for k, t in enumerate(part.test_idx)))

@@ -13,6 +13,10 @@
   of ``--xla_force_host_platform_device_count`` (which the CLI sets to one per core, up to 2:
   :func:`pfedkdh_jax.engine.cpu_devices.request_cpu_devices`). The same compiled code runs on every device, so the numbers are the
   ones of one device.
+* ``slot_granule``: in the host plans (``unrolled`` steps), a client whose batches are smaller than the
+  batch size (fewer samples than a batch) computes its steps on its own size rounded up to this
+  multiple instead of a full batch (:func:`pfedkdh_jax.engine.local.slot_width`): what many small
+  clients cost follows their samples. ``None``: every step computes a full batch.
 
 On XLA:CPU a convolution inside a while loop is ~15–20× slower than the same steps unrolled, so the CPU
 default is sequential + unrolled; on GPU/TPU the default is vmap + scan, one compiled call per round.
@@ -42,6 +46,8 @@ class Layout:
                                          # (engine/packing.py; vmap + scan only); None: one per job
     client_devices: int | None = None    # sequential clients spread over this many local devices;
                                          # None: every local device with sequential clients, else 1
+    slot_granule: int | None = 8         # host plans: a small client's steps compute its size rounded
+                                         # up to this multiple; None: a full batch every step
 
     def resolved(self, backend: str | None = None) -> "Layout":
         backend = backend or jax.default_backend()
@@ -65,6 +71,8 @@ class Layout:
             raise ValueError(f"step_loop must be one of {STEP_LOOPS}, got {cfg.step_loop!r}")
         if cfg.chunk_steps < 1:
             raise ValueError(f"chunk_steps must be >= 1, got {cfg.chunk_steps}")
+        if cfg.slot_granule is not None and cfg.slot_granule < 1:
+            raise ValueError(f"slot_granule must be >= 1 or None, got {cfg.slot_granule}")
         if cfg.lanes is not None:
             if cfg.lanes < 1:
                 raise ValueError(f"lanes must be >= 1, got {cfg.lanes}")

@@ -66,6 +66,12 @@ class LocalTrainer:
         (e.g. its label distribution, for class-aware distillation). ``None``: the loss sees ``ctx``.
       gather_context: batches are ``gather(source, indices, ctx)``: drawn from the context too (e.g.
         FedFed's shared pool of features next to the client's own images).
+      width: the slots a step computes (``None``: ``batch_size``). A client whose batches hold at most
+        ``width`` samples (``min(n, batch_size) <= width``) takes the same steps on fewer computed
+        slots: the host runner gives small clients a narrower width (:func:`slot_width`), so a
+        7-sample client does not cost a 64-sample batch. Too narrow a width would drop samples: the
+        caller guarantees the bound (the steps are the same; only dropout masks, drawn per slot,
+        differ from a full-width step's).
     """
 
     loss_fn: Callable[..., jax.Array]
@@ -77,6 +83,7 @@ class LocalTrainer:
     update: Callable[..., tuple] | None = None
     client_context: Callable[[PyTree, PyTree], PyTree] | None = None
     gather_context: bool = False
+    width: int | None = None
 
     def num_steps(self, n):
         return steps_for(n, self.epochs, self.batch_size, self.max_steps)
@@ -106,12 +113,13 @@ class LocalTrainer:
         than outside one, so unrolled CPU chunks use ``"where"``).
         """
         b_size = self.batch_size
+        width = b_size if self.width is None else self.width
         spe = jnp.maximum((state.n + b_size - 1) // b_size, 1)
         active = state.step < self.num_steps(state.n)
 
         def take(s: LocalState) -> LocalState:
             epoch = jnp.minimum(s.step // spe, self.epochs - 1)
-            slots = (s.step % spe) * b_size + jnp.arange(b_size)
+            slots = (s.step % spe) * b_size + jnp.arange(width)
             mask = slots < s.n
             pos = s.perms[epoch, jnp.minimum(slots, s.perms.shape[1] - 1)]
             c = ctx if self.client_context is None else self.client_context(ctx, s.aux)
@@ -148,6 +156,16 @@ class LocalTrainer:
         if step_loop == "scan":
             return self.run_scan(state, ctx, idx_row, source, num_steps)
         return self.run_unrolled(state, ctx, idx_row, source, num_steps)
+
+
+def slot_width(samples: int, batch_size: int, granule: int = 8) -> int:
+    """The slots a step of a client visiting ``samples`` samples an epoch computes: ``min(samples,
+    batch_size)`` rounded up to a multiple of ``granule`` (at most ``batch_size``). A client under
+    a batch then computes at most ``granule − 1`` idle slots a step instead of up to ``batch_size − 1``
+    (a 7-sample client: 8 slots, not 64), and the widths are few (8 for batches of 64: each piece
+    compiles once per width a run meets)."""
+    need = min(max(int(samples), 1), batch_size)
+    return min(-(-need // granule) * granule, batch_size)
 
 
 def mean_loss(state: LocalState) -> jax.Array:

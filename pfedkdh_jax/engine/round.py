@@ -49,6 +49,10 @@ class LocalProblem:
     step_loop: str = "scan"
     samples: Any = None             # n_k -> samples visited per epoch (host ints; None: n_k)
 
+    def narrowed(self, width: int) -> "LocalProblem":
+        """The same problem computing ``width`` slots a step (``LocalTrainer.width``)."""
+        return dataclasses.replace(self, trainer=dataclasses.replace(self.trainer, width=width))
+
     def size(self, n: int) -> int:
         return n if self.samples is None else self.samples(n)
 

@@ -41,7 +41,7 @@ from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.evaluate import evaluation, image_problem, make_evaluate
 from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
-from pfedkdh_jax.engine.local import LocalState, LocalTrainer, tree_stack
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer, slot_width, tree_stack
 from pfedkdh_jax.engine.packing import make_packed_round
 from pfedkdh_jax.engine.round import LocalProblem, make_round, max_local_steps, select_clients
 from pfedkdh_jax.engine.sharding import leading_axis_sharding, per_device, replicated
@@ -72,9 +72,10 @@ class _ClientCalls:
         self._sizes: dict[int, tuple] = {}   # id(train_n) -> (train_n, its host copy)
         self.max_steps = int(host_problem.trainer.num_steps(host_problem.size(max_size)))
 
-        def train_of(n, vmapped=False):   # n steps of one client (or of every client, vmapped)
-            def make(a):
-                train = problem_of(a).train
+        def train_of(n, vmapped=False, width=None):   # n steps of one client (or of every client, vmapped)
+            def make(a):                                # on ``width`` slots a step (None: a full batch)
+                problem = problem_of(a)
+                train = (problem if width is None else problem.narrowed(width)).train
                 if vmapped:
                     train = jax.vmap(train, in_axes=(0, None, None, 0, None))
                 return lambda s, c, dt, k: train(s, c, dt, k, n)
@@ -85,6 +86,8 @@ class _ClientCalls:
                                   lambda a: jax.vmap(problem_of(a).start, in_axes=(None, None, 0, None)),
                                   (0, d, 0, 0))
         ctx_axes = (0, 0, d, 0)
+        self._make = (compiled, train_of, ctx_axes, prefix)
+        self._narrow: dict[tuple[int, bool], tuple] = {}   # (width, vmapped) -> (chunk, single step)
         if layout.step_loop == "scan":
             m = self.max_steps
             self.train_one = compiled(f"{prefix}train_scan", train_of(m), ctx_axes, steps=True)
@@ -105,18 +108,38 @@ class _ClientCalls:
         else:
             self.finish_one = self.finish_all = None   # the local states are the result
 
-    def calls(self, clients: np.ndarray, data: FederatedData) -> tuple[int, int]:
-        """(chunk calls, single-step calls) for the largest of ``clients`` in ``data`` (one call with a
-        scan); the sizes are read from the data given (any partition of the stacked shape)."""
+    def calls(self, clients: np.ndarray, data: FederatedData) -> tuple[int, int, int | None]:
+        """(chunk calls, single-step calls, slots a step computes) for the largest of ``clients`` in
+        ``data`` (one call of a full batch with a scan); the sizes are read from the data given (any
+        partition of the stacked shape). The slots: ``None`` for a full batch, else the largest
+        client's :func:`~pfedkdh_jax.engine.local.slot_width` (``Layout.slot_granule``)."""
         if self.layout.step_loop == "scan":
-            return 1, 0
+            return 1, 0, None
         clients, sizes = np.asarray(clients), self._host_sizes(data)
         if sizes.ndim == 2:   # stacked partitions: each repetition's clients in its own partition
             n = int(np.take_along_axis(sizes, clients.reshape(sizes.shape[0], -1), axis=1).max())
         else:
             n = int(sizes[np.ravel(clients)].max())
-        steps = int(self.problem.trainer.num_steps(self.problem.size(n)))
-        return divmod(steps, self.layout.chunk_steps)
+        trainer, size = self.problem.trainer, self.problem.size(n)
+        steps = int(trainer.num_steps(size))
+        width = None
+        if self.layout.slot_granule is not None:
+            width = slot_width(size, trainer.batch_size, self.layout.slot_granule)
+            width = None if width >= trainer.batch_size else width
+        return (*divmod(steps, self.layout.chunk_steps), width)
+
+    def _steps(self, width: int | None, vmapped: bool) -> tuple:
+        """The (chunk, single step) calls computing ``width`` slots a step (``None``: the full-batch
+        pieces); each width's pieces are made, and compiled, the first time a client needs them."""
+        if width is None:
+            return (self.train_all, self.step_all) if vmapped else (self.train_one, self.step_one)
+        if (width, vmapped) not in self._narrow:
+            compiled, train_of, axes, prefix = self._make
+            tag = f"{'_vmap' if vmapped else ''}@{width}"
+            self._narrow[width, vmapped] = (
+                compiled(f"{prefix}train_chunk{tag}", train_of(self.layout.chunk_steps, vmapped, width), axes, steps=True),
+                compiled(f"{prefix}train_step{tag}", train_of(1, vmapped, width), axes, steps=True))
+        return self._narrow[width, vmapped]
 
     def _host_sizes(self, data: FederatedData) -> np.ndarray:
         """``data.train_n`` on the host, read once per data object (not once per client and round)."""
@@ -125,11 +148,12 @@ class _ClientCalls:
             cached = self._sizes[id(data.train_n)] = (data.train_n, np.asarray(data.train_n))
         return cached[1]
 
-    def _drive(self, start, train, step, finish, state, ctx, data, sel, clients, key, plan=None):
+    def _drive(self, start, vmapped, finish, state, ctx, data, sel, clients, key, plan=None):
         """One plan for both layouts: start, the chunks, the single tail steps, finish (``plan``: the
-        (chunk calls, single steps) of ``clients``, if already counted)."""
+        (chunk calls, single steps, width) of ``clients``, if already counted)."""
         local = start(state, data, sel, key)
-        chunks, steps = plan or self.calls(clients, data)
+        chunks, steps, width = plan or self.calls(clients, data)
+        train, step = self._steps(width, vmapped)
         for _ in range(chunks):
             local = train(local, ctx, data, sel)
         for _ in range(steps):
@@ -139,8 +163,7 @@ class _ClientCalls:
     def run_all(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place):
         """Every one of ``clients`` (host ints ``[C]``, or ``[R, C]``) vmapped: stacked results."""
         sel = place(jnp.asarray(clients, jnp.int32))
-        return self._drive(self.start_all, self.train_all, self.step_all, self.finish_all,
-                           state, ctx, data, sel, clients, key)
+        return self._drive(self.start_all, True, self.finish_all, state, ctx, data, sel, clients, key)
 
     def run_each(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place,
                  spread: "_Spread | None" = None):
@@ -148,13 +171,13 @@ class _ClientCalls:
         with ``spread``, one after another on each of its devices (results on the first)."""
         clients = np.asarray(clients)
         drive = lambda st, cx, dt, sel, c, k, plan=None: self._drive(  # noqa: E731
-            self.start_one, self.train_one, self.step_one, self.finish_one, st, cx, dt, sel, c, k, plan)
+            self.start_one, False, self.finish_one, st, cx, dt, sel, c, k, plan)
         cols = range(clients.shape[-1])
         if spread is None:
             return [drive(state, ctx, data, place(jnp.asarray(clients[..., c], jnp.int32)), clients[..., c], key)
                     for c in cols]
         plans = [self.calls(clients[..., c], data) for c in cols]
-        where, order = spread.assign([q * self.layout.chunk_steps + r for q, r in plans])
+        where, order = spread.assign([q * self.layout.chunk_steps + r for q, r, _ in plans])
         copies = spread.copies(state, ctx, key)
         datas = spread.data_on(data)
         outs = [None] * len(plans)

@@ -76,12 +76,34 @@ def score(model: Model, feats: jax.Array, labels: jax.Array, owner: jax.Array, h
     return metrics
 
 
+# Up to this many clients a sample's logits are taken from its logits under every head; above, from
+# its own head gathered (in chunks of OWN_HEAD_CHUNK samples).
+ALL_HEADS_UP_TO = 256
+OWN_HEAD_CHUNK = 1024
+
+
 def _owner_logits(head_logits, heads: PyTree, feats: jax.Array, owner: jax.Array, k: int) -> jax.Array:
-    """Logits of sample i under ``heads[owner[i]]`` (``head_logits(head, z)``)."""
+    """Logits of sample i under ``heads[owner[i]]`` (``head_logits(head, z)``).
+
+    Few clients: every sample under every head, ``[T, K, classes]`` (one matmul; cheap next to the
+    backbone). That grows as T·K, so with many clients (K = 10,000: 16,000 test samples × 10,000
+    heads) each sample is scored by its own head only, gathered ``OWN_HEAD_CHUNK`` samples at a time:
+    memory and work grow with the samples, not with K."""
     safe_owner = jnp.minimum(owner, k - 1)
-    # Logits of every sample under every client head: [T, K, classes]; cheap next to the backbone.
-    all_logits = jax.vmap(head_logits, in_axes=(0, None), out_axes=1)(heads, feats)
-    return jnp.take_along_axis(all_logits, safe_owner[:, None, None], axis=1)[:, 0]
+    if k <= ALL_HEADS_UP_TO:
+        all_logits = jax.vmap(head_logits, in_axes=(0, None), out_axes=1)(heads, feats)
+        return jnp.take_along_axis(all_logits, safe_owner[:, None, None], axis=1)[:, 0]
+    t = feats.shape[0]
+    chunk = min(OWN_HEAD_CHUNK, t)
+    pad = -t % chunk
+
+    def one(args):
+        z, who = args
+        own = jax.tree_util.tree_map(lambda h: h[who], heads)
+        return jax.vmap(lambda h, x: head_logits(h, x[None])[0])(own, z)
+    z = jnp.pad(feats, ((0, pad), (0, 0))).reshape(-1, chunk, feats.shape[-1])
+    who = jnp.pad(safe_owner, (0, pad)).reshape(-1, chunk)
+    return jax.lax.map(one, (z, who)).reshape(t + pad, -1)[:t]
 
 
 def _accuracies(logits, labels, owner, valid, k, prefix):
@@ -92,8 +114,11 @@ def _accuracies(logits, labels, owner, valid, k, prefix):
 
 
 def accuracies_from_counts(correct: jax.Array, count: jax.Array, prefix: str) -> dict:
-    """Macro, micro and per-client accuracy from per-client ``correct`` and ``count`` ``[K]``."""
+    """Macro, micro and per-client accuracy from per-client ``correct`` and ``count`` ``[K]``. The macro
+    accuracy averages over the clients holding test samples: every client in a partition (each keeps
+    one at least), the scored subset in an evaluation of some clients (``--eval-clients``)."""
     per_client = correct / jnp.maximum(count, 1.0)
-    return {f"{prefix}_macro_accuracy": jnp.mean(per_client),
+    scored = (count > 0).astype(per_client.dtype)
+    return {f"{prefix}_macro_accuracy": jnp.sum(per_client * scored) / jnp.maximum(jnp.sum(scored), 1.0),
             f"{prefix}_micro_accuracy": jnp.sum(correct) / jnp.maximum(jnp.sum(count), 1.0),
             f"{prefix}_per_client_accuracy": per_client}

@@ -30,7 +30,8 @@ PREFIX = "round_"
 # client_devices: the same compiled code on other devices of the host (the same numbers);
 # conv_form: the same model computed another way (the same numbers up to float rounding; and runs
 # checkpointed before the option existed stay resumable)
-_NOT_FINGERPRINTED = ("out", "data_dir", "cache_dir", "rounds", "eval_chunk", "client_devices", "conv_form")
+_NOT_FINGERPRINTED = ("out", "data_dir", "cache_dir", "rounds", "eval_chunk", "client_devices", "conv_form",
+                      "slot_granule")   # engine forms: the same steps, other float rounding
 
 
 class CheckpointError(RuntimeError):
@@ -40,7 +41,7 @@ class CheckpointError(RuntimeError):
 # options added after checkpoints were first written: left out of the hash at these (their defaults,
 # the behaviour before they existed), so a checkpoint written before them still resumes
 _ADDED_LATER = {"optimizer": "sgd", "momentum": None, "weight_decay": None, "partition": "dirichlet",
-                "shards_per_client": 2, "fill": "auto"}
+                "shards_per_client": 2, "fill": "auto", "eval_clients": 0}
 
 
 def fingerprint(config: dict, partition) -> dict[str, str]:

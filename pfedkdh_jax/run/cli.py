@@ -60,10 +60,14 @@ _FLAGS = [
                                               "AdamW's decoupled decay (default 0; AdamW 1e-4)"),
     *_pfedkdh_flags(),
     ("--eval-every", "eval_every", int, "evaluate every N rounds (and the last)"),
+    ("--eval-clients", "eval_clients", int, "score a fixed random subset of N clients (drawn from --data-seed) "
+                                            "instead of all; 0: all (default)"),
     ("--ea-every", "ea_every", int, "EA evaluation every N rounds (and the last)"),
     ("--client-parallel", "client_parallel", str, "vmap | sequential (default: per backend)"),
     ("--step-loop", "step_loop", str, "scan | unrolled (default: per backend)"),
     ("--chunk-steps", "chunk_steps", int, "local steps per compiled chunk when unrolled"),
+    ("--slot-granule", "slot_granule", int, "unrolled steps of a client smaller than a batch compute its size "
+                                            "rounded up to this multiple (default 8; 0: a full batch every step)"),
     ("--lanes", "lanes", int, "pack each round's (repetition, client) local work into this many lanes "
                               "(needs --client-parallel vmap --step-loop scan; default: off)"),
     ("--client-devices", "client_devices", int, "spread sequential clients over this many local devices "

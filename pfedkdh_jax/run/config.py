@@ -78,11 +78,14 @@ class RunConfig:
     kd_gate: str = "none"              # per-sample trust in the teacher: none | confidence | correct | better | adaptive
     # --- evaluation
     eval_every: int = 1                # Fair evaluation of all clients every N rounds (and the last)
+    eval_clients: int = 0              # > 0: evaluations score this fixed random subset of the clients
     ea_every: int = 10                 # EA evaluation every N rounds (and the last)
     # --- engine (None = the backend's measured default; see BENCHMARKS.md)
     client_parallel: str | None = None  # vmap | sequential
     step_loop: str | None = None       # scan | unrolled
     chunk_steps: int = 8               # local steps per compiled chunk (step_loop = unrolled)
+    slot_granule: int = 8              # unrolled steps of a client under a batch compute its size rounded
+                                       # up to this multiple (0: a full batch every step)
     lanes: int | None = None           # pack each round's local work into this many lanes (vmap + scan)
     client_devices: int | None = None  # sequential clients spread over this many local devices (None: all;
                                        # the CLI makes one XLA:CPU device per core, up to 2)
@@ -200,12 +203,15 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_method_config(cfg)
     _check_method_options(cfg)
     _check(cfg.eval_every >= 1, f"--eval-every must be >= 1; got {cfg.eval_every}")
+    _check(0 <= cfg.eval_clients <= cfg.num_clients,
+           f"--eval-clients must be between 0 (all) and --clients {cfg.num_clients}; got {cfg.eval_clients}")
     _check(cfg.ea_every >= 1, f"--ea-every must be >= 1; got {cfg.ea_every}")
     _check(cfg.client_parallel in (None, "vmap", "sequential"),
            f"--client-parallel must be vmap or sequential; got {cfg.client_parallel!r}")
     _check(cfg.step_loop in (None, "scan", "unrolled"),
            f"--step-loop must be scan or unrolled; got {cfg.step_loop!r}")
     _check(cfg.chunk_steps >= 1, f"--chunk-steps must be >= 1; got {cfg.chunk_steps}")
+    _check(cfg.slot_granule >= 0, f"--slot-granule must be >= 0 (0: a full batch every step); got {cfg.slot_granule}")
     _check(cfg.client_devices is None or cfg.client_devices >= 1,
            f"--client-devices must be >= 1; got {cfg.client_devices}")
     _check(cfg.lanes is None or cfg.lanes >= 1, f"--lanes must be >= 1; got {cfg.lanes}")

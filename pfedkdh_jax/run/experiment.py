@@ -22,7 +22,7 @@ import numpy as np
 
 from pfedkdh_jax import algorithms
 from pfedkdh_jax import data as data_lib
-from pfedkdh_jax.data.device import from_arrays, run_slice, stack_partitions
+from pfedkdh_jax.data.device import build_federated_data, from_arrays, run_slice, stack_partitions
 from pfedkdh_jax.engine.protocol import message_bytes
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import tree_stack
@@ -94,6 +94,7 @@ class _Group:
     keys: dict                # stream keys, each [R] when batched
     batched: bool
     data: Any = None
+    eval_data: Any = None     # what evaluations read, when not ``data`` (--eval-clients)
 
     @property
     def seeds(self) -> list[int]:
@@ -222,6 +223,15 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
     else:
         data, member_data = datas[0], [datas[0]] * len(members)
     runner_data = data if batched else member_data[0]
+    eval_data = None   # --eval-clients: what evaluations read (the chosen clients' samples only)
+    if cfg.eval_clients:
+        if len(datas) > 1:
+            raise ConfigError("--eval-clients scores one partition's clients: it cannot stack runs of other "
+                              "α or data seeds (run them apart)")
+        chosen = data_lib.evaluation_clients(cfg.num_clients, cfg.eval_clients, cfg.data_seed)
+        eval_data = build_federated_data(pool, data_lib.evaluation_view(parts[0], chosen), eval_chunk=cfg.eval_chunk)
+        log(f"evaluations score {len(chosen)} of the {cfg.num_clients} clients (a fixed random subset, data seed "
+            f"{cfg.data_seed})")
     preflight.check(dataclasses.replace(cfg, reps=len(members)), algo, runner_data, layout, batched)
     # Auto axes: XLA's sharding propagation places everything from the inputs' shardings.
     # A mesh takes the devices where it splits work evenly: the repetition axis, or the clients of a
@@ -237,6 +247,7 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
     if mesh is not None:
         put = lambda d: jax.device_put(d, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))  # noqa: E731
         data, member_data = put(data), [put(d) for d in member_data]
+        eval_data = None if eval_data is None else put(eval_data)
         runner_data = data if batched else member_data[0]
 
     # One runner (per phase of the method) for all groups: sequential repetitions reuse the same
@@ -264,10 +275,10 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
         st = [_initial_state(algos[members[m][0]], runner, member_data[m], members[m][1]) for m in group]
         if batched:
             keys = {name: jnp.stack([k[name] for k in ks]) for name in ks[0]}
-            groups.append(_Group([members[m] for m in group], np.stack(sched), keys, True, data))
+            groups.append(_Group([members[m] for m in group], np.stack(sched), keys, True, data, eval_data))
             states.append(runner.place(tree_stack(st)))
         else:
-            groups.append(_Group([members[group[0]]], sched[0], ks[0], False, member_data[group[0]]))
+            groups.append(_Group([members[group[0]]], sched[0], ks[0], False, member_data[group[0]], eval_data))
             states.append(st[0])
 
     start, histories = 0, [[] for _ in cfgs]
@@ -300,7 +311,8 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
             states[g], train_m = runner_g.round(states[g], group.data, group.selected(t), group.round_key("train", t), t)
             jax.block_until_ready(states[g])
             t2 = time.perf_counter()
-            eval_m = (runner_g.evaluate(states[g], group.data, group.round_key("eval", t), t, personalize=do_ea)
+            eval_m = (runner_g.evaluate(states[g], group.data if group.eval_data is None else group.eval_data,
+                                        group.round_key("eval", t), t, personalize=do_ea)
                       if do_eval else {})
             per_rep = group.split({**train_m, **eval_m})
             t3 = time.perf_counter()
@@ -430,7 +442,8 @@ def engine_layout(cfg: RunConfig) -> Layout:
     """The run's resolved layout; a layout that cannot be (``--lanes`` without vmap + scan) is one
     line (ConfigError)."""
     try:
-        layout = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps, client_devices=cfg.client_devices).resolved()
+        layout = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps, client_devices=cfg.client_devices,
+                        slot_granule=cfg.slot_granule or None).resolved()
     except ValueError as e:   # --client-devices beyond the local devices, or without sequential clients
         raise ConfigError(f"--client-devices: {e}") from None
     try:
@@ -447,10 +460,12 @@ def resolved_conv_form(cfg: RunConfig, layout: Layout, batched: bool) -> str:
     a vmapped convolution is a grouped one there, and a training step of 10 vmapped members ran
     1.12× (MNIST) / 1.15× (CIFAR-10) faster as batched matmuls — and XLA's convolution elsewhere (on
     one member it is 1.25–1.4× faster on a CPU; on a GPU not measured yet: BENCHMARKS.md, "Convolution
-    form")."""
+    form"), except inside a loop: a CPU run whose local steps are a ``lax.scan`` takes the patches too,
+    as XLA:CPU runs a convolution inside a loop about 25× slower than outside one and the matmul at
+    its usual speed (``experiments/conv_in_loop.py``)."""
     if cfg.conv_form != "auto":
         return cfg.conv_form
-    vmapped = layout.client_parallel == "vmap" or batched
+    vmapped = layout.client_parallel == "vmap" or batched or layout.step_loop == "scan"
     return "patches" if vmapped and jax.default_backend() == "cpu" else "lax"
 
 

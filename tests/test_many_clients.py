@@ -1,0 +1,106 @@
+"""Many small clients: steps of a client smaller than a batch compute only its size (rounded up to
+``Layout.slot_granule``), with the numbers of full-batch steps."""
+
+import jax
+import numpy as np
+import pytest
+
+from pfedkdh_jax import algorithms
+from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.engine.local import slot_width
+from pfedkdh_jax.engine.runner import RoundRunner
+from pfedkdh_jax.run.config import make_config
+
+
+def test_slot_width_rounds_a_small_client_up_to_the_granule():
+    assert [slot_width(n, 64) for n in (1, 7, 8, 9, 40, 63, 64, 65, 5000)] == [8, 8, 8, 16, 40, 64, 64, 64, 64]
+    assert slot_width(7, 64, granule=1) == 7 and slot_width(7, 6) == 6   # never above the batch
+
+
+@pytest.mark.parametrize("name", ["pfedkdh", pytest.param("fedavg", marks=pytest.mark.slow)])
+def test_narrow_steps_compute_the_full_batch_round(tiny, name):
+    """The tiny federation's clients hold fewer train samples than a batch of 64, under a batch of 64: with the granule
+    each computes its size rounded up to 8 (on pieces named by their width), without it 64 slots; the
+    two rounds agree to float32 rounding, and each width compiles once."""
+    _, _, data = tiny
+    sizes = np.asarray(data.train_n)
+    assert sizes.max() < 64
+    cfg = make_config("smoke", method=name, batch_size=64, local_epochs=2, rounds=2)
+    algo = algorithms.build(cfg, data.num_classes)
+    states = []
+    for granule in (8, None):
+        runner = RoundRunner(algo, data, Layout("sequential", "unrolled", chunk_steps=2, slot_granule=granule))
+        state = algo.init(jax.random.key(0), data)
+        for t, sel in enumerate([np.array([0, 1]), np.array([2, 3]), np.array([0, 3])]):
+            state, _ = runner.round(state, data, sel, jax.random.key(10 + t))
+        states.append(state)
+        narrow = {k for k in runner.traces if "@" in k}
+        assert all(v == 1 for v in runner.traces.values()), runner.traces
+        if granule is None:
+            assert not narrow
+        else:   # the widths of the clients met (2 epochs of one step each: one chunk of 2 steps)
+            widths = {slot_width(int(n), 64) for n in sizes}
+            assert narrow == {f"train_chunk@{w}" for w in widths if w < 64} and len(narrow) >= 2
+    for a, b in zip(jax.tree_util.tree_leaves(states[0]), jax.tree_util.tree_leaves(states[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_many_clients_score_each_sample_with_its_own_head_only():
+    """Above ALL_HEADS_UP_TO clients a test sample's logits come from its own head, gathered in
+    chunks (no [T, K, classes] array): the same accuracies as every sample under every head."""
+    from pfedkdh_jax.engine import scoring
+    from pfedkdh_jax.model import CNN
+    k, t, d = 300, 2500, 512   # T not a multiple of the chunk: the padded tail is cut off
+    rng = np.random.default_rng(0)
+    model = CNN(10)
+    heads = {"out": {"kernel": rng.normal(size=(k, d, 10)).astype(np.float32),
+                     "bias": rng.normal(size=(k, 10)).astype(np.float32)}}
+    feats = rng.normal(size=(t, d)).astype(np.float32)
+    owner = rng.integers(0, k + 1, t)              # k marks padding
+    labels = rng.integers(0, 10, t)
+    got = jax.jit(scoring.score, static_argnums=(0, 6))(model, feats, labels, owner, heads, None, k)
+    safe = np.minimum(owner, k - 1)
+    logits = np.einsum("td,tdc->tc", feats, heads["out"]["kernel"][safe]) + heads["out"]["bias"][safe]
+    correct = (logits.argmax(-1) == labels) & (owner < k)
+    n = np.bincount(owner, minlength=k + 1)[:k]
+    per_client = np.bincount(owner, weights=correct, minlength=k + 1)[:k] / np.maximum(n, 1)
+    np.testing.assert_allclose(got["personalized_per_client_accuracy"], per_client, atol=1e-6)
+    assert k > scoring.ALL_HEADS_UP_TO
+
+
+def test_an_evaluation_of_some_clients_scores_them_as_the_full_evaluation_does(tiny):
+    """--eval-clients: the evaluation view keeps the chosen clients' samples only; their per-client
+    accuracies are the full evaluation's, and the macro accuracy is their mean."""
+    from pfedkdh_jax.data import build_federated_data, evaluation_clients, evaluation_view
+    pool, part, data = tiny
+    chosen = evaluation_clients(part.num_clients, 2, seed=0)
+    view = build_federated_data(pool, evaluation_view(part, chosen), eval_chunk=64)
+    assert int(view.test_n.sum()) == sum(len(part.test_idx[k]) for k in chosen)
+    cfg = make_config("smoke", method="fedper", rounds=1)
+    algo = algorithms.build(cfg, data.num_classes)
+    runner = RoundRunner(algo, data, Layout("sequential", "unrolled", chunk_steps=2))
+    state, _ = runner.round(algo.init(jax.random.key(0), data), data, np.array([0, 1]), jax.random.key(1))
+    full = runner.evaluate(state, data, jax.random.key(2))
+    some = runner.evaluate(state, view, jax.random.key(2))
+    per = np.asarray(full["personalized_per_client_accuracy"])
+    np.testing.assert_allclose(np.asarray(some["personalized_per_client_accuracy"])[chosen], per[chosen], atol=1e-6)
+    assert float(some["personalized_macro_accuracy"]) == pytest.approx(per[chosen].mean(), abs=1e-6)
+    with pytest.raises(Exception, match="--eval-clients must be between 1 and the 4 clients"):
+        evaluation_clients(4, 5, seed=0)
+
+
+@pytest.mark.slow   # 12 methods × their compiles (~4 min); the default run covers the paths with pFedKDH
+@pytest.mark.parametrize("name", list(algorithms.METHODS))
+def test_every_method_runs_many_small_clients_scoring_some(name, tmp_path, capsys):
+    """100 clients of ~11 train samples on the digits set, 5 a round, 10 scored: narrow steps and
+    the evaluation view under every method."""
+    import json
+
+    from pfedkdh_jax.run import cli
+    out = tmp_path / name
+    rc = cli.main(["run", "--method", name, "--preset", "smoke", "--clients", "100", "--participation", "0.05",
+                   "--min-client-samples", "5", "--eval-clients", "10", "--out", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and 0.0 <= summary["personalized_macro_accuracy"] <= 1.0
+    assert any("@" in k for k in summary["traces"]), summary["traces"]   # narrow steps ran
