@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="timed rounds after a first (compiling) one")
     ap.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads")
     ap.add_argument("--sides", default="torch,jax,jax_full")
+    ap.add_argument("--client-parallel", default=None, help="the engine's layout (default: the backend's)")
     ap.add_argument("--write", default=None, help="append the markdown table (and JSON) here")
     args = ap.parse_args()
     sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
@@ -70,7 +71,8 @@ def main() -> None:
     for setting in args.settings.split(","):
         k, c = map(int, setting.split(":"))
         cfg = make_config("paper", method="fedper", dataset="mnist", alpha=args.alpha, data_dir=args.data_dir,
-                          num_clients=k, participation=c / k, min_client_samples=args.min_client_samples)
+                          num_clients=k, participation=c / k, min_client_samples=args.min_client_samples,
+                          client_parallel=args.client_parallel)
         pool, part, _ = prepare_data(cfg)
         sizes = np.array([len(t) for t in part.train_idx])
         schedule = sample_schedule(jax.random.key(1), args.rounds + 1, k, c)

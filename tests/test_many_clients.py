@@ -68,23 +68,29 @@ def test_many_clients_score_each_sample_with_its_own_head_only():
     assert k > scoring.ALL_HEADS_UP_TO
 
 
-def test_an_evaluation_of_some_clients_scores_them_as_the_full_evaluation_does(tiny):
-    """--eval-clients: the evaluation view keeps the chosen clients' samples only; their per-client
-    accuracies are the full evaluation's, and the macro accuracy is their mean."""
+@pytest.mark.parametrize("name", ["pfedkdh", pytest.param("fedbabu", marks=pytest.mark.slow)])   # EA on features; fine-tuning on images
+def test_an_evaluation_of_some_clients_scores_them_as_the_full_evaluation_does(tiny, name):
+    """--eval-clients: the evaluation view keeps the chosen clients' samples only, and personalizes
+    only them; their per-client accuracies are the full evaluation's, the macro accuracy their mean."""
     from pfedkdh_jax.data import build_federated_data, evaluation_clients, evaluation_view
     pool, part, data = tiny
     chosen = evaluation_clients(part.num_clients, 2, seed=0)
     view = build_federated_data(pool, evaluation_view(part, chosen), eval_chunk=64)
     assert int(view.test_n.sum()) == sum(len(part.test_idx[k]) for k in chosen)
-    cfg = make_config("smoke", method="fedper", rounds=1)
+    cfg = (make_config("smoke", method=name, rounds=1, ea_steps=2) if name == "pfedkdh" else
+           make_config("smoke", method=name, rounds=1, method_args=(("finetune_epochs", "1"),)))
     algo = algorithms.build(cfg, data.num_classes)
     runner = RoundRunner(algo, data, Layout("sequential", "unrolled", chunk_steps=2))
     state, _ = runner.round(algo.init(jax.random.key(0), data), data, np.array([0, 1]), jax.random.key(1))
-    full = runner.evaluate(state, data, jax.random.key(2))
-    some = runner.evaluate(state, view, jax.random.key(2))
-    per = np.asarray(full["personalized_per_client_accuracy"])
-    np.testing.assert_allclose(np.asarray(some["personalized_per_client_accuracy"])[chosen], per[chosen], atol=1e-6)
-    assert float(some["personalized_macro_accuracy"]) == pytest.approx(per[chosen].mean(), abs=1e-6)
+    full = runner.evaluate(state, data, jax.random.key(2), personalize=True)
+    some = runner.evaluate(state, view, jax.random.key(2), personalize=True)
+    keys = [k for k in full if "per_client_accuracy" in k and not k.startswith("global")]
+    assert keys == ["personalized_per_client_accuracy"] + (["personalized_per_client_accuracy_ea"] if name == "pfedkdh" else [])
+    for key in keys:
+        per = np.asarray(full[key])
+        np.testing.assert_allclose(np.asarray(some[key])[chosen], per[chosen], atol=1e-6)
+        macro = key.replace("per_client", "macro")
+        assert float(some[macro]) == pytest.approx(per[chosen].mean(), abs=1e-6)
     with pytest.raises(Exception, match="--eval-clients must be between 1 and the 4 clients"):
         evaluation_clients(4, 5, seed=0)
 

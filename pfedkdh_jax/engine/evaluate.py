@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pfedkdh_jax.engine.protocol import Algorithm, EvalModels, Personalization
 from pfedkdh_jax.data.device import FederatedData
@@ -28,6 +29,24 @@ PyTree = Any
 def image_problem(p: Personalization, step_loop: str) -> LocalProblem:
     """The local problem of a personalization that trains on the images."""
     return LocalProblem(p.trainer, p.start, None, step_loop)
+
+
+def adapted_clients(data: FederatedData) -> np.ndarray | None:
+    """The clients a personalization adapts: those holding train samples when some hold none (the
+    evaluation view of ``--eval-clients``, :func:`~pfedkdh_jax.data.partition.evaluation_view`), so
+    its cost follows the clients scored; ``None``: all K (host ints, from the static sizes)."""
+    kept = [k for k, n in enumerate(data.train_sizes) if n > 0]
+    return None if len(kept) == data.num_clients else np.asarray(kept, np.int32)
+
+
+def spread_to_all(params: PyTree, clients: np.ndarray, num_clients: int, axis: int = 0) -> PyTree:
+    """Per-client ``params`` of ``clients`` (stacked on ``axis``) placed at their rows of ``[K, ...]``;
+    the other rows are zeros (clients that are not scored)."""
+    def one(a):
+        shape = a.shape[:axis] + (num_clients,) + a.shape[axis + 1:]
+        index = (slice(None),) * axis + (jnp.asarray(clients),)
+        return jnp.zeros(shape, a.dtype).at[index].set(a)
+    return jax.tree_util.tree_map(one, params)
 
 
 def feature_steps(p: Personalization, data: FederatedData) -> int:
@@ -80,15 +99,19 @@ class EvaluatePieces:
         def one(k):
             local = p.start(state, data, k, key)
             return p.trainer.run_scan(local, None, data.train_flat_pos[k], source, steps).params
-        return jax.vmap(one)(jnp.arange(data.num_clients))
+        clients = adapted_clients(data)
+        if clients is None:
+            return jax.vmap(one)(jnp.arange(data.num_clients))
+        return spread_to_all(jax.vmap(one)(jnp.asarray(clients)), clients, data.num_clients)
 
     def adapt_on_images(self, state, data: FederatedData, key: jax.Array):
         """Every client's adapted parameters ``[K, ...]`` of a personalization on the images."""
         p = self.algo.personalization
         problem = image_problem(p, self.layout.step_loop)
-        finals = problem.clients(state, None, data, jnp.arange(data.num_clients), key,
-                                 max_local_steps(p.trainer, data), self.layout.client_parallel)
-        return finals.params
+        clients = adapted_clients(data)
+        finals = problem.clients(state, None, data, jnp.arange(data.num_clients) if clients is None else
+                                 jnp.asarray(clients), key, max_local_steps(p.trainer, data), self.layout.client_parallel)
+        return finals.params if clients is None else spread_to_all(finals.params, clients, data.num_clients)
 
     def test_features(self, models: EvalModels, data: FederatedData) -> jax.Array:
         """Test features of ``models``: shared-backbone ones, or owner-grouped per-client ones."""

@@ -183,8 +183,9 @@ class EvalModels:
 
 @dataclasses.dataclass(frozen=True)
 class Personalization:
-    """Evaluation-time adaptation: a local problem the engine runs for every client (all K) before
-    scoring; the adapted models are used for that evaluation only and never persisted.
+    """Evaluation-time adaptation: a local problem the engine runs for every client scored (all K, or
+    the ``--eval-clients`` subset) before scoring; the adapted models are used for that evaluation
+    only and never persisted.
 
     * ``trainer`` and ``start(state, data, k, key) -> LocalState``: the local problem;
     * ``models(state, params [K, ...]) -> EvalModels``: what is scored, from the adapted parameters;

@@ -39,7 +39,7 @@ import numpy as np
 from pfedkdh_jax.engine.protocol import Algorithm
 from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine import scoring
-from pfedkdh_jax.engine.evaluate import evaluation, image_problem, make_evaluate
+from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
 from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer, slot_width, tree_stack
 from pfedkdh_jax.engine.packing import make_packed_round
@@ -419,13 +419,15 @@ class RoundRunner:
         """The personalized models after the personalization's local problem for all K clients."""
         if self.fused:
             return self._personal_fused(state, data, key)
-        k = data.num_clients
-        everyone = np.arange(k) if self.reps is None else np.broadcast_to(np.arange(k), (self.reps, k))
+        k, clients = data.num_clients, adapted_clients(data)
+        ids = np.arange(k) if clients is None else clients
+        everyone = ids if self.reps is None else np.broadcast_to(ids, (self.reps, len(ids)))
         if self.layout.client_parallel == "vmap":
             finals = self._personal.run_all(state, None, data, everyone, key, self.place)
         else:
             finals = self._stack(self._personal.run_each(state, None, data, everyone, key, self.place, self.spread))
-        return self._personal_models(state, finals.params)
+        params = finals.params if clients is None else spread_to_all(finals.params, clients, k, 0 if self.reps is None else 1)
+        return self._personal_models(state, params)
 
 
 class PhasedRunner:
