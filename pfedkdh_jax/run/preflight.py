@@ -75,15 +75,26 @@ def step_temp_bytes(num_classes: int, input_shape: tuple, batch: int) -> int:
     return int(analysis.temp_size_in_bytes) if analysis is not None else 0
 
 
+def per_client_bytes(state, num_clients: int) -> int:
+    """Bytes of the state's per-client leaves (a leading axis of ``num_clients``: heads, personal
+    models, per-client optimizer states)."""
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state)
+                   if x.ndim and x.shape[0] == num_clients))
+
+
 def estimate(cfg, algo, data, layout, batched_reps: bool) -> dict:
-    """The three terms (bytes) and their sum."""
+    """The three terms (bytes) and their sum. A state's shared part counts 3× (the round's local
+    copies, gradients and optimizer states); its per-client part once, plus twice the selected
+    clients' share of it."""
     state = jax.eval_shape(lambda k: algo.init(k, data), jax.random.key(0))
-    states = 3 * _tree_bytes(state) * cfg.reps
+    per_client = per_client_bytes(state, data.num_clients)
+    shared = _tree_bytes(state) - per_client
+    states = cfg.reps * (3 * shared + per_client + 2 * per_client * cfg.clients_per_round // data.num_clients)
     data_bytes = _tree_bytes(data)
     together = (cfg.clients_per_round if layout.client_parallel == "vmap" else 1) * (cfg.reps if batched_reps else 1)
     step = step_temp_bytes(data.num_classes, tuple(data.input_shape), cfg.batch_size) * together
     return {"states": states, "data": data_bytes, "local_training": step, "total": states + data_bytes + step,
-            "clients_at_once": together}
+            "clients_at_once": together, "per_client": per_client // data.num_clients}
 
 
 def check(cfg, algo, data, layout, batched_reps: bool, available: int | None = None) -> dict | None:
@@ -97,8 +108,15 @@ def check(cfg, algo, data, layout, batched_reps: bool, available: int | None = N
         return est
     gb = lambda b: f"{b / 2 ** 30:.1f} GiB" if b >= 2 ** 30 else f"{b / 2 ** 20:.1f} MiB"  # noqa: E731
     biggest = max(("states", "local_training", "data"), key=lambda k: est[k])
+    k = cfg.num_clients
+    per_client_total = cfg.reps * est["per_client"] * (k + 2 * cfg.clients_per_round)
+    client_bound = per_client_total > est["states"] / 2   # per-client state dominates
+    fit = int(max(MARGIN * available - est["data"] - est["local_training"], 0)
+              // max(cfg.reps * est["per_client"] * (1 + 2 * cfg.clients_per_round / k), 1))
     advice = {
-        "states": f"fewer --reps ({cfg.reps} states of {gb(est['states'] / cfg.reps / 3)} each are held)",
+        "states": (f"fewer --clients: {cfg.method} keeps {gb(est['per_client'])} per client "
+                   f"(about {fit} clients fit)" if client_bound else
+                   f"fewer --reps ({cfg.reps} states of {gb(est['states'] / cfg.reps)} each are held)"),
         "local_training": (f"a smaller --batch-size ({cfg.batch_size})"
                            + (", --client-parallel sequential" if layout.client_parallel == "vmap" else "")
                            + (", --reps-mode sequential" if batched_reps else "")),
