@@ -31,15 +31,14 @@ import numpy as np
 
 
 def slots(sizes, selected, epochs: int, batch: int, granule: int | None) -> tuple[int, int]:
-    """(sample-passes, computed slots) of one round's selected clients."""
-    from pfedkdh_jax.engine.local import slot_width
+    """(sample-passes, computed slots) of one round's selected clients, each step computing its
+    batch's size rounded up to ``granule`` (``None``: a full batch), as the engine's host plan does."""
+    from pfedkdh_jax.engine.local import step_widths
     real = computed = 0
     for k in selected:
         n = int(sizes[k])
-        steps = epochs * math.ceil(n / batch)
-        width = batch if granule is None else slot_width(n, batch, granule)
         real += epochs * n
-        computed += steps * width
+        computed += sum(batch if w is None else w for w in step_widths([n], epochs, batch, granule))
     return real, computed
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from pfedkdh_jax import algorithms
 from pfedkdh_jax.engine.layout import Layout
-from pfedkdh_jax.engine.local import slot_width
+from pfedkdh_jax.engine.local import slot_width, step_widths, width_runs
 from pfedkdh_jax.engine.runner import RoundRunner
 from pfedkdh_jax.run.config import make_config
 
@@ -17,15 +17,27 @@ def test_slot_width_rounds_a_small_client_up_to_the_granule():
     assert slot_width(7, 64, granule=1) == 7 and slot_width(7, 6) == 6   # never above the batch
 
 
+def test_a_partial_last_batch_computes_its_own_size():
+    """A 100-sample client's epoch is a batch of 64 and one of 36 (40 slots); clients stepping
+    together take the widest width any of them needs at a step; a step cap ends the list."""
+    assert step_widths([100], 2, 64, 8) == [None, 40, None, 40]
+    assert step_widths([100, 20], 2, 64, 8) == [None, 40, None, 40]       # 20 fits in 24 < 64
+    assert step_widths([100, 150], 2, 64, 8) == [None] * 5 + [24]   # lockstep: only the last step narrows
+    assert step_widths([7], 3, 64, 8, max_steps=2) == [8, 8]
+    assert step_widths([100], 1, 64, None) == [None, None]
+    assert width_runs([None, None, 40, None, 8, 8]) == [(None, 2), (40, 1), (None, 1), (8, 2)]
+
+
 @pytest.mark.parametrize("name", ["pfedkdh", pytest.param("fedavg", marks=pytest.mark.slow)])
-def test_narrow_steps_compute_the_full_batch_round(tiny, name):
+@pytest.mark.parametrize("batch", [64, 16])
+def test_narrow_steps_compute_the_full_batch_round(tiny, name, batch):
     """The tiny federation's clients hold fewer train samples than a batch of 64, under a batch of 64: with the granule
     each computes its size rounded up to 8 (on pieces named by their width), without it 64 slots; the
     two rounds agree to float32 rounding, and each width compiles once."""
     _, _, data = tiny
     sizes = np.asarray(data.train_n)
-    assert sizes.max() < 64
-    cfg = make_config("smoke", method=name, batch_size=64, local_epochs=2, rounds=2)
+    assert sizes.max() < 64 and (batch == 64 or (sizes % batch).min() > 0)   # batch 16: partial last batches
+    cfg = make_config("smoke", method=name, batch_size=batch, local_epochs=2, rounds=2)
     algo = algorithms.build(cfg, data.num_classes)
     states = []
     for granule in (8, None):
@@ -38,9 +50,12 @@ def test_narrow_steps_compute_the_full_batch_round(tiny, name):
         assert all(v == 1 for v in runner.traces.values()), runner.traces
         if granule is None:
             assert not narrow
-        else:   # the widths of the clients met (2 epochs of one step each: one chunk of 2 steps)
+        elif batch == 64:   # the widths of the clients met (2 epochs of one step each: one chunk of 2 steps)
             widths = {slot_width(int(n), 64) for n in sizes}
             assert narrow == {f"train_chunk@{w}" for w in widths if w < 64} and len(narrow) >= 2
+        else:               # full batches of 16, then each client's last one alone on its own width
+            widths = {slot_width(int(n) % 16, 16) for n in sizes}
+            assert narrow == {f"train_step@{w}" for w in widths if w < 16} and len(narrow) >= 1
     for a, b in zip(jax.tree_util.tree_leaves(states[0]), jax.tree_util.tree_leaves(states[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 

@@ -168,6 +168,42 @@ def slot_width(samples: int, batch_size: int, granule: int = 8) -> int:
     return min(-(-need // granule) * granule, batch_size)
 
 
+def step_widths(samples, epochs: int, batch_size: int, granule: int | None,
+                max_steps: int | None = None) -> list[int | None]:
+    """The slots each local step computes, for clients visiting ``samples`` (host ints) samples an
+    epoch that take their steps together (one client, or one per repetition): step ``s`` of a
+    client holds ``min(B, n − (s mod ceil(n/B))·B)`` samples, its last batch of an epoch partial;
+    the width of a step is the largest :func:`slot_width` of the clients still training at it.
+    ``None`` for a full batch (and every step when ``granule`` is ``None``). A 100-sample client's
+    epoch is a step of 64 slots and one of 40, not two of 64."""
+    sizes = [max(int(n), 0) for n in samples]
+    counts = [steps_for(n, epochs, batch_size, max_steps) for n in sizes]
+    out: list[int | None] = []
+    for s in range(max(counts, default=0)):
+        if granule is None:
+            out.append(None)
+            continue
+        need = 0
+        for n, c in zip(sizes, counts):
+            if s < c:
+                spe = max(-(-n // batch_size), 1)
+                need = max(need, min(batch_size, n - (s % spe) * batch_size))
+        w = slot_width(need, batch_size, granule)
+        out.append(None if w >= batch_size else w)
+    return out
+
+
+def width_runs(widths: list[int | None]) -> list[tuple[int | None, int]]:
+    """``widths`` as runs ``[(width, steps), ...]`` of consecutive equal widths."""
+    runs: list[tuple[int | None, int]] = []
+    for w in widths:
+        if runs and runs[-1][0] == w:
+            runs[-1] = (w, runs[-1][1] + 1)
+        else:
+            runs.append((w, 1))
+    return runs
+
+
 def mean_loss(state: LocalState) -> jax.Array:
     """The mean loss of the steps a client took (0 if none)."""
     return state.loss_sum / jnp.maximum(state.step, 1)

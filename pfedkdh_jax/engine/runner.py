@@ -41,7 +41,7 @@ from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
 from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
-from pfedkdh_jax.engine.local import LocalState, LocalTrainer, slot_width, tree_stack
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer, step_widths, tree_stack, width_runs
 from pfedkdh_jax.engine.packing import make_packed_round
 from pfedkdh_jax.engine.round import LocalProblem, make_round, max_local_steps, select_clients
 from pfedkdh_jax.engine.sharding import leading_axis_sharding, per_device, replicated
@@ -108,25 +108,28 @@ class _ClientCalls:
         else:
             self.finish_one = self.finish_all = None   # the local states are the result
 
-    def calls(self, clients: np.ndarray, data: FederatedData) -> tuple[int, int, int | None]:
-        """(chunk calls, single-step calls, slots a step computes) for the largest of ``clients`` in
-        ``data`` (one call of a full batch with a scan); the sizes are read from the data given (any
-        partition of the stacked shape). The slots: ``None`` for a full batch, else the largest
-        client's :func:`~pfedkdh_jax.engine.local.slot_width` (``Layout.slot_granule``)."""
+    def calls(self, clients: np.ndarray, data: FederatedData) -> list[tuple[int | None, int]] | None:
+        """The plan of ``clients`` taking their steps together (one client, one per repetition, or
+        all vmapped) in ``data``: runs ``[(width, steps), ...]`` of consecutive steps computing the
+        same slots (``None``: a full batch; :func:`~pfedkdh_jax.engine.local.step_widths`, with
+        ``Layout.slot_granule``), so a client's partial last batch of an epoch computes its own size
+        rounded up, not a full batch. ``None`` with a scan (one call takes every step). The sizes
+        are read from the data given (any partition of the stacked shape)."""
         if self.layout.step_loop == "scan":
-            return 1, 0, None
+            return None
         clients, sizes = np.asarray(clients), self._host_sizes(data)
         if sizes.ndim == 2:   # stacked partitions: each repetition's clients in its own partition
-            n = int(np.take_along_axis(sizes, clients.reshape(sizes.shape[0], -1), axis=1).max())
+            ns = np.take_along_axis(sizes, clients.reshape(sizes.shape[0], -1), axis=1).ravel()
         else:
-            n = int(sizes[np.ravel(clients)].max())
-        trainer, size = self.problem.trainer, self.problem.size(n)
-        steps = int(trainer.num_steps(size))
-        width = None
-        if self.layout.slot_granule is not None:
-            width = slot_width(size, trainer.batch_size, self.layout.slot_granule)
-            width = None if width >= trainer.batch_size else width
-        return (*divmod(steps, self.layout.chunk_steps), width)
+            ns = sizes[np.ravel(clients)]
+        t = self.problem.trainer
+        widths = step_widths([self.problem.size(int(n)) for n in ns], t.epochs, t.batch_size,
+                             self.layout.slot_granule, t.max_steps)
+        return width_runs(widths)
+
+    @staticmethod
+    def plan_steps(plan) -> int:
+        return 1 if plan is None else sum(n for _, n in plan)
 
     def _steps(self, width: int | None, vmapped: bool) -> tuple:
         """The (chunk, single step) calls computing ``width`` slots a step (``None``: the full-batch
@@ -149,15 +152,19 @@ class _ClientCalls:
         return cached[1]
 
     def _drive(self, start, vmapped, finish, state, ctx, data, sel, clients, key, plan=None):
-        """One plan for both layouts: start, the chunks, the single tail steps, finish (``plan``: the
-        (chunk calls, single steps, width) of ``clients``, if already counted)."""
+        """One plan for both layouts: start, the steps of each width (whole chunks, then single
+        steps), finish (``plan``: :meth:`calls` of ``clients``, if already made)."""
         local = start(state, data, sel, key)
-        chunks, steps, width = plan or self.calls(clients, data)
-        train, step = self._steps(width, vmapped)
-        for _ in range(chunks):
-            local = train(local, ctx, data, sel)
-        for _ in range(steps):
-            local = step(local, ctx, data, sel)
+        plan = self.calls(clients, data) if plan is None else plan
+        if plan is None:   # a scan: one call takes every step
+            local = self._steps(None, vmapped)[0](local, ctx, data, sel)
+        else:
+            for width, count in plan:
+                train, step = self._steps(width, vmapped)
+                for _ in range(count // self.layout.chunk_steps):
+                    local = train(local, ctx, data, sel)
+                for _ in range(count % self.layout.chunk_steps):
+                    local = step(local, ctx, data, sel)
         return local if self.problem.finish is None else finish(state, data, sel, local, key)
 
     def run_all(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place):
@@ -177,7 +184,7 @@ class _ClientCalls:
             return [drive(state, ctx, data, place(jnp.asarray(clients[..., c], jnp.int32)), clients[..., c], key)
                     for c in cols]
         plans = [self.calls(clients[..., c], data) for c in cols]
-        where, order = spread.assign([q * self.layout.chunk_steps + r for q, r, _ in plans])
+        where, order = spread.assign([self.plan_steps(p) for p in plans])
         copies = spread.copies(state, ctx, key)
         datas = spread.data_on(data)
         outs = [None] * len(plans)
@@ -277,6 +284,12 @@ class RoundRunner:
                                      self.round_fn.problem, largest, "", d)
         self._context = compiled("context", lambda a: a.context, (0,))
         self._server = compiled("server_update", lambda a: a.server_update, (0, d, 0, 0, 0))
+        # sequential clients: their uploads go to the server step as they are (a list), stacked inside
+        # its program, where XLA can fuse the stacking into what reads it (no separate [C, ...] copy)
+        self._server_each = compiled(
+            "server_update",
+            lambda a: lambda s, dt, sel, ups, k: a.server_update(s, dt, sel, tree_stack(ups, axis=0), k),
+            (0, d, 0, 0, 0))
         self._stack = jax.jit(lambda xs: tree_stack(xs, axis=0 if reps is None else 1))
 
         def fused(a):
@@ -353,7 +366,8 @@ class RoundRunner:
         if self.layout.client_parallel == "vmap":
             updates = self._clients.run_all(state, ctx, data, selected, key, self.place)
         else:
-            updates = self._stack(self._clients.run_each(state, ctx, data, selected, key, self.place, self.spread))
+            uploads = self._clients.run_each(state, ctx, data, selected, key, self.place, self.spread)
+            return self._server_each(state, data, sel, uploads, key)
         return self._server(state, data, sel, updates, key)
 
     def prepare(self, state, data: FederatedData, key: jax.Array, algo: Algorithm | None = None):
