@@ -31,11 +31,15 @@ INVALID = {
     "--aux-size": (st.one_of(st.integers(max_value=0), st.integers(min_value=1797, max_value=10 ** 6)),
                    "--aux-size"),
     "--dataset": (st.text(min_size=1, max_size=12).filter(
-        lambda s: s not in ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100") and not s.startswith("-")),
+        lambda s: s not in ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "synthetic")
+        and not s.startswith("-")),
         "--dataset"),
     "--method": (st.sampled_from(["fedsgd", "scaffold", "PFEDKDH", "fed avg"]), "--method"),
     "--client-parallel": (st.sampled_from(["pmap", "vmapped", "seq"]), "--client-parallel"),
     "--chunk-steps": (st.integers(max_value=0), "--chunk-steps"),
+    "--clients-per-round": (st.one_of(st.integers(max_value=-1), st.integers(min_value=1000, max_value=10 ** 6)),
+                            "--clients-per-round"),
+    "--synthetic-samples": (st.integers(max_value=1), "--synthetic-samples"),
 }
 
 

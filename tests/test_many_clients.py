@@ -12,9 +12,10 @@ from pfedkdh_jax.engine.runner import RoundRunner
 from pfedkdh_jax.run.config import make_config
 
 
-def test_slot_width_rounds_a_small_client_up_to_the_granule():
-    assert [slot_width(n, 64) for n in (1, 7, 8, 9, 40, 63, 64, 65, 5000)] == [8, 8, 8, 16, 40, 64, 64, 64, 64]
+def test_slot_width_rounds_a_batch_up_to_the_granule_or_keeps_a_smaller_one():
+    assert [slot_width(n, 64) for n in (1, 7, 8, 9, 40, 63, 64, 65, 5000)] == [1, 7, 8, 16, 40, 64, 64, 64, 64]
     assert slot_width(7, 64, granule=1) == 7 and slot_width(7, 6) == 6   # never above the batch
+    assert slot_width(0, 64) == 1
 
 
 def test_a_partial_last_batch_computes_its_own_size():
@@ -23,7 +24,7 @@ def test_a_partial_last_batch_computes_its_own_size():
     assert step_widths([100], 2, 64, 8) == [None, 40, None, 40]
     assert step_widths([100, 20], 2, 64, 8) == [None, 40, None, 40]       # 20 fits in 24 < 64
     assert step_widths([100, 150], 2, 64, 8) == [None] * 5 + [24]   # lockstep: only the last step narrows
-    assert step_widths([7], 3, 64, 8, max_steps=2) == [8, 8]
+    assert step_widths([7], 3, 64, 8, max_steps=2) == [7, 7]
     assert step_widths([100], 1, 64, None) == [None, None]
     assert width_runs([None, None, 40, None, 8, 8]) == [(None, 2), (40, 1), (None, 1), (8, 2)]
 
@@ -125,3 +126,19 @@ def test_every_method_runs_many_small_clients_scoring_some(name, tmp_path, capsy
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and 0.0 <= summary["personalized_macro_accuracy"] <= 1.0
     assert any("@" in k for k in summary["traces"]), summary["traces"]   # narrow steps ran
+
+
+def test_a_synthetic_set_of_many_clients_runs_a_fixed_number_a_round(tmp_path, capsys):
+    """--dataset synthetic of a chosen size, 300 clients, exactly 3 a round (--clients-per-round)."""
+    import json
+
+    from pfedkdh_jax.run import cli
+    out = tmp_path / "run"
+    rc = cli.main(["run", "--method", "fedavg", "--preset", "smoke", "--dataset", "synthetic", "--synthetic-samples",
+                   "3000", "--aux-size", "100", "--clients", "300", "--clients-per-round", "3",
+                   "--min-client-samples", "5", "--rounds", "1", "--eval-clients", "10", "--out", str(out),
+                   "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    config = json.loads((out / "config.json").read_text())
+    assert config["per_round"] == 3 and config["dataset"] == "synthetic"
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"

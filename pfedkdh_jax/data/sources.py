@@ -32,10 +32,12 @@ class DataError(ValueError):
 
 
 #: Dataset names accepted by :func:`load_pool`.  ``"digits"`` is an offline demo, the others are tfds datasets.
-DATASETS: tuple = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100")
+DATASETS: tuple = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "synthetic")
 
 # Number of classes of each dataset (CIFAR-100: the 100 fine labels, tfds feature "label").
-_NUM_CLASSES = {"digits": 10, "mnist": 10, "fashion_mnist": 10, "cifar10": 10, "cifar100": 100}
+_NUM_CLASSES = {"digits": 10, "mnist": 10, "fashion_mnist": 10, "cifar10": 10, "cifar100": 100, "synthetic": 10}
+#: Samples of the ``"synthetic"`` pool unless asked otherwise (MNIST's count).
+SYNTHETIC_SAMPLES = 70_000
 # Name of the tfds feature holding the label used as the class.
 _LABEL_KEY = "label"
 # Official splits, in pool order.
@@ -138,15 +140,19 @@ def resolve_data_dir(data_dir: str | None) -> str | None:
     return None
 
 
-def load_pool(name: str, data_dir: str | None = None, cache_dir: str | None = None) -> Pool:
+def load_pool(name: str, data_dir: str | None = None, cache_dir: str | None = None, *,
+              samples: int | None = None) -> Pool:
     """Loads dataset ``name`` as a :class:`Pool` (official train split, then official test split).
 
     Args:
         name: one of :data:`DATASETS`.
         data_dir: tfds data directory holding the prepared dataset; resolved by :func:`resolve_data_dir`
-            and, when still unset, tfds's default directory.  Ignored for ``"digits"``.
+            and, when still unset, tfds's default directory.  Ignored for ``"digits"`` and ``"synthetic"``.
         cache_dir: where decoded arrays are cached; defaults to ``$PFEDKDH_CACHE_DIR``, else
-            ``~/.cache/pfedkdh_jax``.  Must not lie inside the data directory.  Ignored for ``"digits"``.
+            ``~/.cache/pfedkdh_jax``.  Must not lie inside the data directory.  Ignored for ``"digits"``
+            and ``"synthetic"``.
+        samples: the size of the ``"synthetic"`` pool (default :data:`SYNTHETIC_SAMPLES`); ignored
+            for the others.
 
     Raises:
         DataError: for an unknown name, or when the dataset is not prepared in ArrayRecord format (the
@@ -156,7 +162,41 @@ def load_pool(name: str, data_dir: str | None = None, cache_dir: str | None = No
         raise DataError(f"unknown dataset {name!r}; allowed values: {', '.join(DATASETS)}")
     if name == "digits":
         return _load_digits()
+    if name == "synthetic":
+        return synthetic_images(SYNTHETIC_SAMPLES if samples is None else samples)
     return _load_tfds_pool(name, data_dir, cache_dir)
+
+
+def synthetic_images(num_samples: int, shape: tuple[int, ...] = (28, 28, 1), num_classes: int = 10,
+                     seed: int = 0) -> Pool:
+    """A pool of any size for scale tests: ``uint8`` images of ``shape`` whose label decides their mean.
+
+    Each class has a blocky random pattern (a 7×7 grid of uniform intensities, upsampled); a sample
+    of class c is mid-grey plus its class's pattern at a random contrast in [0.05, 0.15], plus
+    Gaussian pixel noise (σ = 64), clipped to [0, 255]. Classes overlap enough that accuracy is not
+    trivial and differ enough that it means something: the nearest class mean of the pixels scores
+    about 79 % (chance: 1 / num_classes).
+    Labels are uniform. Built by :func:`pool_from_arrays`, like any user's arrays; the same
+    ``seed`` gives the same pool. ``name``: ``"synthetic"``.
+    """
+    if int(num_samples) < 1:
+        raise DataError(f"a synthetic pool needs >= 1 sample; got {num_samples}")
+    if len(shape) != 3 or min(shape) < 1:
+        raise DataError(f"synthetic images need a shape (H, W, C); got {shape}")
+    h, w, c = shape
+    rng = np.random.default_rng(seed)
+    coarse = rng.uniform(0.0, 255.0, size=(num_classes, 7, 7, c))
+    rows, cols = (np.arange(h) * 7) // h, (np.arange(w) * 7) // w
+    means = coarse[:, rows][:, :, cols].astype(np.float32)          # [classes, H, W, C], blocky
+    labels = rng.integers(0, num_classes, size=int(num_samples)).astype(np.int32)
+    images = np.empty((int(num_samples), h, w, c), np.uint8)
+    block = 20_000
+    for i in range(0, int(num_samples), block):   # in blocks: no float copy of the whole pool
+        y = labels[i:i + block]
+        contrast = rng.uniform(0.05, 0.15, size=(len(y), 1, 1, 1)).astype(np.float32)
+        noise = rng.normal(0.0, 64.0, size=(len(y), h, w, c)).astype(np.float32)
+        images[i:i + block] = np.clip(127.5 + contrast * (means[y] - 127.5) + noise, 0, 255).astype(np.uint8)
+    return pool_from_arrays(images, labels, num_classes=num_classes, name="synthetic")
 
 
 def _load_digits() -> Pool:

@@ -13,10 +13,11 @@
   of ``--xla_force_host_platform_device_count`` (which the CLI sets to one per core, up to 2:
   :func:`pfedkdh_jax.engine.cpu_devices.request_cpu_devices`). The same compiled code runs on every device, so the numbers are the
   ones of one device.
-* ``slot_granule``: in the host plans (``unrolled`` steps), a client whose batches are smaller than the
-  batch size (fewer samples than a batch) computes its steps on its own size rounded up to this
-  multiple instead of a full batch (:func:`pfedkdh_jax.engine.local.slot_width`): what many small
-  clients cost follows their samples. ``None``: every step computes a full batch.
+* ``slot_granule``: in the host plans (``unrolled`` steps), each step computes the samples of its
+  batch rounded up to this multiple (exactly that many below one multiple) instead of a full batch:
+  a client's partial last batch of an epoch, and every step of a client smaller than a batch
+  (:func:`pfedkdh_jax.engine.local.step_widths`): what many small clients cost follows their
+  samples. ``None``: every step computes a full batch.
 
 On XLA:CPU a convolution inside a while loop is ~15–20× slower than the same steps unrolled, so the CPU
 default is sequential + unrolled; on GPU/TPU the default is vmap + scan, one compiled call per round.
@@ -46,7 +47,7 @@ class Layout:
                                          # (engine/packing.py; vmap + scan only); None: one per job
     client_devices: int | None = None    # sequential clients spread over this many local devices;
                                          # None: every local device with sequential clients, else 1
-    slot_granule: int | None = 8         # host plans: a small client's steps compute its size rounded
+    slot_granule: int | None = 8         # host plans: a step computes its batch's size rounded
                                          # up to this multiple; None: a full batch every step
 
     def resolved(self, backend: str | None = None) -> "Layout":

@@ -68,7 +68,7 @@ class LocalTrainer:
         FedFed's shared pool of features next to the client's own images).
       width: the slots a step computes (``None``: ``batch_size``). A client whose batches hold at most
         ``width`` samples (``min(n, batch_size) <= width``) takes the same steps on fewer computed
-        slots: the host runner gives small clients a narrower width (:func:`slot_width`), so a
+        slots: the host runner gives each step the width of its batch (:func:`step_widths`), so a
         7-sample client does not cost a 64-sample batch. Too narrow a width would drop samples: the
         caller guarantees the bound (the steps are the same; only dropout masks, drawn per slot,
         differ from a full-width step's).
@@ -159,12 +159,15 @@ class LocalTrainer:
 
 
 def slot_width(samples: int, batch_size: int, granule: int = 8) -> int:
-    """The slots a step of a client visiting ``samples`` samples an epoch computes: ``min(samples,
-    batch_size)`` rounded up to a multiple of ``granule`` (at most ``batch_size``). A client under
-    a batch then computes at most ``granule − 1`` idle slots a step instead of up to ``batch_size − 1``
-    (a 7-sample client: 8 slots, not 64), and the widths are few (8 for batches of 64: each piece
+    """The slots a step holding ``samples`` samples computes: ``min(samples, batch_size)`` rounded up
+    to a multiple of ``granule`` (at most ``batch_size``), or exactly that many below one granule. A
+    batch of 39 computes 40 slots, one of 5 computes 5 (not 64): a step costs about a fixed part
+    plus a part per slot, and for clients of a handful of samples (thousands of clients) the slots
+    are most of it. The widths stay few (at most ``granule − 1 + batch_size / granule``; each piece
     compiles once per width a run meets)."""
     need = min(max(int(samples), 1), batch_size)
+    if need < granule:
+        return need
     return min(-(-need // granule) * granule, batch_size)
 
 

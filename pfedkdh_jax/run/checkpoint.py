@@ -41,7 +41,8 @@ class CheckpointError(RuntimeError):
 # options added after checkpoints were first written: left out of the hash at these (their defaults,
 # the behaviour before they existed), so a checkpoint written before them still resumes
 _ADDED_LATER = {"optimizer": "sgd", "momentum": None, "weight_decay": None, "partition": "dirichlet",
-                "shards_per_client": 2, "fill": "auto", "eval_clients": 0}
+                "shards_per_client": 2, "fill": "auto", "eval_clients": 0, "per_round": 0,
+                "synthetic_samples": 70_000}
 
 
 def fingerprint(config: dict, partition) -> dict[str, str]:

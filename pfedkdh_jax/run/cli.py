@@ -28,12 +28,15 @@ def _pfedkdh_flags() -> list[tuple]:
 _FLAGS = [
     ("--method", "method", str, f"algorithm: {', '.join(METHODS)}"),
     ("--dataset", "dataset", str, f"{', '.join(DATASETS)} (digits: offline demo set, not a paper dataset)"),
+    ("--synthetic-samples", "synthetic_samples", int, "pool size of --dataset synthetic (default 70,000: "
+                                                      "28x28 images whose class sets their mean)"),
     ("--data-dir", "data_dir", str, "tfds data dir with prepared datasets (else $TFDS_DATA_DIR, else tfds default)"),
     ("--cache-dir", "cache_dir", str, "decoded-array cache (else $PFEDKDH_CACHE_DIR, else ~/.cache/pfedkdh_jax)"),
     ("--out", "out", str, "run directory (default runs/<dataset>-<method>-a<alpha>-s<seed>-<time>)"),
     ("--alpha", "alpha", float, "Dirichlet concentration of the label skew (> 0)"),
     ("--clients", "num_clients", int, "number of clients K (>= 2)"),
     ("--participation", "participation", float, "fraction of clients per round, in (0, 1]"),
+    ("--clients-per-round", "per_round", int, "exactly this many clients a round, instead of --participation"),
     ("--rounds", "rounds", int, "federated rounds"),
     ("--local-epochs", "local_epochs", int, "local epochs E"),
     ("--batch-size", "batch_size", int, "minibatch size"),
@@ -66,8 +69,8 @@ _FLAGS = [
     ("--client-parallel", "client_parallel", str, "vmap | sequential (default: per backend)"),
     ("--step-loop", "step_loop", str, "scan | unrolled (default: per backend)"),
     ("--chunk-steps", "chunk_steps", int, "local steps per compiled chunk when unrolled"),
-    ("--slot-granule", "slot_granule", int, "unrolled steps of a client smaller than a batch compute its size "
-                                            "rounded up to this multiple (default 8; 0: a full batch every step)"),
+    ("--slot-granule", "slot_granule", int, "unrolled steps compute their batch's size rounded up to this multiple "
+                                            "(exactly below it; default 8; 0: a full batch every step)"),
     ("--lanes", "lanes", int, "pack each round's (repetition, client) local work into this many lanes "
                               "(needs --client-parallel vmap --step-loop scan; default: off)"),
     ("--client-devices", "client_devices", int, "spread sequential clients over this many local devices "

@@ -31,6 +31,8 @@ class RunConfig:
     method: str = "pfedkdh"            # federated algorithm (pfedkdh_jax.algorithms.METHODS)
     method_args: tuple = ()            # ((key, value-text), ...): the method's own options (--method-arg)
     dataset: str = "digits"            # digits (offline demo set) | mnist | fashion_mnist | cifar10 | cifar100
+                                       # | synthetic (images of any count: --synthetic-samples)
+    synthetic_samples: int = 70_000    # the pool size of --dataset synthetic
     data_dir: str | None = None        # tfds data dir; else $TFDS_DATA_DIR; else tfds's default
     cache_dir: str | None = None       # decoded-array cache; else $PFEDKDH_CACHE_DIR; else ~/.cache/pfedkdh_jax
     out: str | None = None             # run directory; default runs/<dataset>-<method>-a<alpha>-s<seed>-<time>
@@ -50,6 +52,7 @@ class RunConfig:
     # --- federated training (method.md §3, Table 1)
     rounds: int = 20
     participation: float = 0.5         # ρ: clients per round = round(ρ·K), uniformly without replacement
+    per_round: int = 0                 # > 0: exactly this many clients a round (instead of --participation)
     local_epochs: int = 2              # E
     batch_size: int = 64
     lr: float = 0.015                  # client learning rate (SGD, no momentum, as the paper)
@@ -84,8 +87,8 @@ class RunConfig:
     client_parallel: str | None = None  # vmap | sequential
     step_loop: str | None = None       # scan | unrolled
     chunk_steps: int = 8               # local steps per compiled chunk (step_loop = unrolled)
-    slot_granule: int = 8              # unrolled steps of a client under a batch compute its size rounded
-                                       # up to this multiple (0: a full batch every step)
+    slot_granule: int = 8              # unrolled steps compute their batch's size rounded up to this
+                                       # multiple, exactly below it (0: a full batch every step)
     lanes: int | None = None           # pack each round's local work into this many lanes (vmap + scan)
     client_devices: int | None = None  # sequential clients spread over this many local devices (None: all;
                                        # the CLI makes one XLA:CPU device per core, up to 2)
@@ -98,6 +101,8 @@ class RunConfig:
 
     @property
     def clients_per_round(self) -> int:
+        if self.per_round > 0:
+            return self.per_round
         return max(1, int(round(self.participation * self.num_clients)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -187,6 +192,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.alpha > 0, f"--alpha must be > 0; got {cfg.alpha}")
     _check(cfg.num_clients >= 2, f"--clients must be >= 2; got {cfg.num_clients}")
     _check(0 < cfg.participation <= 1, f"--participation must be in (0, 1]; got {cfg.participation}")
+    _check(0 <= cfg.per_round <= cfg.num_clients,
+           f"--clients-per-round must be between 1 and --clients {cfg.num_clients} (0: --participation); "
+           f"got {cfg.per_round}")
+    _check(cfg.synthetic_samples >= 2, f"--synthetic-samples must be >= 2; got {cfg.synthetic_samples}")
     _check(cfg.rounds >= 1, f"--rounds must be >= 1; got {cfg.rounds}")
     _check(cfg.reps >= 1, f"--reps must be >= 1; got {cfg.reps}")
     _check(cfg.reps_mode in ("auto", "vmap", "sequential"),

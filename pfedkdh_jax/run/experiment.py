@@ -52,7 +52,8 @@ def streams(seed: int) -> dict[str, jax.Array]:
 def prepare_data(cfg: RunConfig, pool: data_lib.Pool | None = None) -> tuple[data_lib.Pool, data_lib.Partition, dict]:
     """Pool (``pool``, or read), partition (with the validation carve-out if asked) and its summary."""
     if pool is None:
-        pool = data_lib.load_pool(cfg.dataset, data_dir=cfg.data_dir, cache_dir=cfg.cache_dir)
+        pool = data_lib.load_pool(cfg.dataset, data_dir=cfg.data_dir, cache_dir=cfg.cache_dir,
+                                  samples=cfg.synthetic_samples)
     if cfg.aux_size >= len(pool.labels):
         raise data_lib.DataError(f"--aux-size must be < the pool size {len(pool.labels)} of "
                                  f"{cfg.dataset}; got {cfg.aux_size}")
@@ -189,7 +190,8 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
     """:func:`run_stacked` once its run directories are checked and locked."""
     stacked = len(cfgs) > 1
     cfg = cfgs[0]
-    pool = data_lib.load_pool(cfg.dataset, data_dir=cfg.data_dir, cache_dir=cfg.cache_dir)
+    pool = data_lib.load_pool(cfg.dataset, data_dir=cfg.data_dir, cache_dir=cfg.cache_dir,
+                              samples=cfg.synthetic_samples)
     if pool.is_demo:
         log(f"NOTE: '{cfg.dataset}' is scikit-learn's bundled 8x8 digits upscaled to 28x28: a demo set "
             "for a quick offline run, not a dataset of the paper (use --dataset mnist --data-dir DIR).")
