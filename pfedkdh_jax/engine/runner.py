@@ -88,6 +88,7 @@ class _ClientCalls:
         ctx_axes = (0, 0, d, 0)
         self._make = (compiled, train_of, ctx_axes, prefix)
         self._narrow: dict[tuple[int, bool], tuple] = {}   # (width, vmapped) -> (chunk, single step)
+        self._warmed: set = set()                            # (id(train_n), vmapped) already warmed
         if layout.step_loop == "scan":
             m = self.max_steps
             self.train_one = compiled(f"{prefix}train_scan", train_of(m), ctx_axes, steps=True)
@@ -144,6 +145,28 @@ class _ClientCalls:
                 compiled(f"{prefix}train_step{tag}", train_of(1, vmapped, width), axes, steps=True))
         return self._narrow[width, vmapped]
 
+    def _warm(self, vmapped: bool, data: FederatedData, args: tuple) -> None:
+        """Compile, at the first call on ``data``, the step pieces of every width its clients' plans
+        use (found from their sizes, each run once on ``args`` and discarded), so that widths met
+        later do not compile inside later rounds: the compile time moves to the first round, and
+        round times stay comparable from the second on."""
+        tag = (id(data.train_n), vmapped)
+        if self.layout.step_loop == "scan" or tag in self._warmed:
+            return
+        self._warmed.add(tag)
+        t, chunk = self.problem.trainer, self.layout.chunk_steps
+        needed = set()
+        for n in np.unique(self._host_sizes(data)):
+            widths = step_widths([self.problem.size(int(n))], t.epochs, t.batch_size, self.layout.slot_granule,
+                                 t.max_steps)
+            for width, count in width_runs(widths):
+                if count >= chunk:
+                    needed.add((width is not None, width or 0, 0))
+                if count % chunk:
+                    needed.add((width is not None, width or 0, 1))
+        for narrow, width, single in sorted(needed):
+            self._steps(width if narrow else None, vmapped)[single](*args)
+
     def _host_sizes(self, data: FederatedData) -> np.ndarray:
         """``data.train_n`` on the host, read once per data object (not once per client and round)."""
         cached = self._sizes.get(id(data.train_n))
@@ -155,6 +178,7 @@ class _ClientCalls:
         """One plan for both layouts: start, the steps of each width (whole chunks, then single
         steps), finish (``plan``: :meth:`calls` of ``clients``, if already made)."""
         local = start(state, data, sel, key)
+        self._warm(vmapped, data, (local, ctx, data, sel))
         plan = self.calls(clients, data) if plan is None else plan
         if plan is None:   # a scan: one call takes every step
             local = self._steps(None, vmapped)[0](local, ctx, data, sel)
