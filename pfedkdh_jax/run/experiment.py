@@ -5,6 +5,9 @@ as the run goes, so nothing is lost if it is interrupted), ``summary.json`` and 
 This module is the thin host layer; the numerics are the pure functions of the other modules.
 :func:`run_stacked` runs several such runs (other α values, data seeds or hyperparameter values) as
 one program.
+A run is :func:`_run_stacked`'s named steps: load the pool, partition each run, build the engine
+(data on the device, layout, algorithms, pre-flight, mesh, runners), the groups of repetitions,
+resume, open the run directories, train, finish.
 (Over 300 lines: one host loop serves a run and stacked runs, with their checkpoints and resume.)
 """
 
@@ -187,15 +190,68 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
 
 
 def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bool, resume: bool) -> list:
-    """:func:`run_stacked` once its run directories are checked and locked."""
-    stacked = len(cfgs) > 1
-    cfg = cfgs[0]
+    """:func:`run_stacked` once its run directories are checked and locked: one run (or a stack of
+    runs) as its named steps."""
+    pool = _load_pool(cfgs[0], log)
+    runs = _partition_runs(cfgs, pool, resume, log)
+    eng = _build_engine(cfgs, pool, runs, log)
+    groups, states = _initial_groups(cfgs, eng)
+    start, histories = 0, [[] for _ in cfgs]
+    if resume:
+        restored = _restore(runs.ckpts, cfgs, groups, states, eng.batched, log)
+        if restored is not None:
+            start, states, histories = restored
+    metrics_paths = _open_run_dirs(cfgs, eng, histories, resume)
+    t_start = time.perf_counter()
+    _train(cfgs, runs, eng, groups, states, histories, metrics_paths, start, progress)
+    summaries = _finish(cfgs, runs, eng, histories, time.perf_counter() - t_start, log)
+    if return_state:
+        return [(summaries[0], states[0], eng.data, eng.algo, eng.runner.runners[-1])]
+    return summaries
+
+
+@dataclasses.dataclass
+class _Runs:
+    """Each stacked run's partition, its summary and its checkpoints (in the order of the configs)."""
+
+    parts: list
+    summaries: list
+    ckpts: list[Checkpoints]
+
+
+@dataclasses.dataclass
+class _Engine:
+    """What the rounds run on: the data as the runners read it, the layout, the repetitions
+    (``members``: ``(run, seed)``), the algorithm (and each run's, with its own hyperparameter values),
+    the device mesh and the runners."""
+
+    datas: list                   # each run's FederatedData
+    data: Any                     # what a batched group reads (stacked partitions, or the one partition)
+    member_data: list             # what each repetition reads alone
+    eval_data: Any                # --eval-clients: the chosen clients' view, else None
+    layout: Layout
+    members: list[tuple[int, int]]
+    batched: bool
+    algo: Any
+    algos: list
+    runner: PhasedRunner
+    runners: list[PhasedRunner]   # each run's (one per hyperparameter value, run one after another)
+
+
+def _load_pool(cfg: RunConfig, log) -> data_lib.Pool:
     pool = data_lib.load_pool(cfg.dataset, data_dir=cfg.data_dir, cache_dir=cfg.cache_dir,
                               samples=cfg.synthetic_samples)
     if pool.is_demo:
         log(f"NOTE: '{cfg.dataset}' is scikit-learn's bundled 8x8 digits upscaled to 28x28: a demo set "
             "for a quick offline run, not a dataset of the paper (use --dataset mnist --data-dir DIR).")
-    parts, part_summaries, ckpts = [], [], []
+    return pool
+
+
+def _partition_runs(cfgs: list[RunConfig], pool, resume: bool, log) -> _Runs:
+    """Each run's partition (logged) and checkpoints; a run directory holding checkpoints stops a
+    run that is not a resume."""
+    stacked = len(cfgs) > 1
+    runs = _Runs([], [], [])
     for c in cfgs:
         _, part, part_summary = prepare_data(c, pool)
         log((f"{c.out} (α = {c.alpha:g}, data seed {c.data_seed}):\n" if stacked else "")
@@ -204,11 +260,17 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
         if not resume and ck.rounds():
             raise CheckpointError(f"{c.out} already holds checkpoints of a run; continue it with "
                                   f"`pfedkdh resume {c.out}` or choose another --out")
-        parts.append(part)
-        part_summaries.append(part_summary)
-        ckpts.append(ck)
+        runs.parts.append(part)
+        runs.summaries.append(part_summary)
+        runs.ckpts.append(ck)
+    return runs
+
+
+def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
+    """The data on the device, the layout, the algorithms, the memory pre-flight, the mesh and the runners."""
+    cfg = cfgs[0]
     datas = [from_arrays(pool.images, pool.labels, partition=part, num_classes=pool.num_classes,
-                         normalize=pool.normalize, eval_chunk=cfg.eval_chunk) for part in parts]
+                         normalize=pool.normalize, eval_chunk=cfg.eval_chunk) for part in runs.parts]
     layout = engine_layout(cfg)
     members = [(i, c.seed + r) for i, c in enumerate(cfgs) for r in range(c.reps)]
     batched = len(members) > 1 and resolved_reps_mode(cfg) == "vmap"
@@ -231,7 +293,8 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
             raise ConfigError("--eval-clients scores one partition's clients: it cannot stack runs of other "
                               "α or data seeds (run them apart)")
         chosen = data_lib.evaluation_clients(cfg.num_clients, cfg.eval_clients, cfg.data_seed)
-        eval_data = build_federated_data(pool, data_lib.evaluation_view(parts[0], chosen), eval_chunk=cfg.eval_chunk)
+        eval_data = build_federated_data(pool, data_lib.evaluation_view(runs.parts[0], chosen),
+                                         eval_chunk=cfg.eval_chunk)
         log(f"evaluations score {len(chosen)} of the {cfg.num_clients} clients (a fixed random subset, data seed "
             f"{cfg.data_seed})")
     preflight.check(dataclasses.replace(cfg, reps=len(members)), algo, runner_data, layout, batched)
@@ -270,37 +333,50 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
         log(f"{len(spread.devices) if spread else n_dev} {jax.default_backend()} devices: "
             + ("sequential clients spread over them" if spread else
                "repetitions split over them" if batched else "each round's clients split over them"))
+    return _Engine(datas, data, member_data, eval_data, layout, members, batched, algo, algos, runner, runners)
+
+
+def _initial_groups(cfgs: list[RunConfig], eng: _Engine) -> tuple[list[_Group], list]:
+    """The groups of repetitions computed together (all of them batched, else one each), with their
+    client schedules, keys and states before round 0."""
+    cfg, members = cfgs[0], eng.members
     groups, states = [], []
-    for group in ([list(range(len(members)))] if batched else [[m] for m in range(len(members))]):
+    for group in ([list(range(len(members)))] if eng.batched else [[m] for m in range(len(members))]):
         ks = [streams(members[m][1]) for m in group]
         sched = [sample_schedule(k["sampling"], cfg.rounds, cfg.num_clients, cfg.clients_per_round) for k in ks]
-        st = [_initial_state(algos[members[m][0]], runner, member_data[m], members[m][1]) for m in group]
-        if batched:
+        st = [_initial_state(eng.algos[members[m][0]], eng.runner, eng.member_data[m], members[m][1]) for m in group]
+        if eng.batched:
             keys = {name: jnp.stack([k[name] for k in ks]) for name in ks[0]}
-            groups.append(_Group([members[m] for m in group], np.stack(sched), keys, True, data, eval_data))
-            states.append(runner.place(tree_stack(st)))
+            groups.append(_Group([members[m] for m in group], np.stack(sched), keys, True, eng.data, eng.eval_data))
+            states.append(eng.runner.place(tree_stack(st)))
         else:
-            groups.append(_Group([members[group[0]]], sched[0], ks[0], False, member_data[group[0]], eval_data))
+            groups.append(_Group([members[group[0]]], sched[0], ks[0], False, eng.member_data[group[0]], eng.eval_data))
             states.append(st[0])
+    return groups, states
 
-    start, histories = 0, [[] for _ in cfgs]
-    if resume:
-        restored = _restore(ckpts, cfgs, groups, states, batched, log)
-        if restored is not None:
-            start, states, histories = restored
+
+def _open_run_dirs(cfgs: list[RunConfig], eng: _Engine, histories: list, resume: bool) -> list[str]:
+    """Each run directory with its config.json (kept on a resume) and its metrics.jsonl rewritten to
+    the rows of the rounds already done; returns the metrics paths."""
     for c in cfgs:
         _make_dir(c.out)
         if not resume or not os.path.exists(os.path.join(c.out, "config.json")):
             records.write_json(os.path.join(c.out, "config.json"), {
-                **c.to_dict(), "engine": dataclasses.asdict(layout), "reps_batched": batched,
+                **c.to_dict(), "engine": dataclasses.asdict(eng.layout), "reps_batched": eng.batched,
                 "stacked_runs": len(cfgs), "environment": records.environment()})
     metrics_paths = [os.path.join(c.out, "metrics.jsonl") for c in cfgs]
     for path, history in zip(metrics_paths, histories):
         records.write_text(path, "".join(json.dumps(r) + "\n" for r in history))
+    return metrics_paths
 
+
+def _train(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, groups: list[_Group], states: list,
+           histories: list, metrics_paths: list[str], start: int, progress: bool) -> None:
+    """Rounds ``start`` … ``rounds − 1`` of every group (``states`` updated in place): train, evaluate
+    when due, append each run's row, stop on divergence, checkpoint when due."""
+    cfg = cfgs[0]
     bar = records.progress(cfg.rounds, progress)
     bar.update(start)
-    t_start = time.perf_counter()
     for t in range(start, cfg.rounds):
         last = t == cfg.rounds - 1
         do_eval = last or (t + 1) % cfg.eval_every == 0
@@ -309,7 +385,7 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
         rep_rows, train_s, eval_s = [[] for _ in cfgs], 0.0, 0.0
         for g, group in enumerate(groups):
             t1 = time.perf_counter()
-            runner_g = runners[group.members[0][0]]   # batched: the one runner of every run
+            runner_g = eng.runners[group.members[0][0]]   # batched: the one runner of every run
             states[g], train_m = runner_g.round(states[g], group.data, group.selected(t), group.round_key("train", t), t)
             jax.block_until_ready(states[g])
             t2 = time.perf_counter()
@@ -329,28 +405,37 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
             histories[i].append(row)
             with open(metrics_paths[i], "a") as f:
                 f.write(json.dumps(row) + "\n")
-        for i, c in enumerate(cfgs):
-            for rep in rep_rows[i]:
-                problem = records.divergence(rep, c.divergence_loss)
-                if problem:
-                    summary = records.summary(c, histories[i], part_summaries[i], runners[i],
-                                              status=f"diverged at round {t + 1}")
-                    records.write_json(os.path.join(c.out, "summary.json"), summary)
-                    who = f" in repetition {rep['seed'] - c.seed} (seed {rep['seed']})" if c.reps > 1 else ""
-                    raise DivergenceError(f"{problem}{who} at round {t + 1} (try a smaller --lr); "
-                                          f"everything up to it is in {c.out}")
+        _stop_on_divergence(cfgs, runs, eng, histories, rep_rows, t)
         if cfg.checkpoint_every and ((t + 1) % cfg.checkpoint_every == 0 or last):
-            for i, ck in enumerate(ckpts):
-                ck.save(t + 1, _run_states(i, groups, states, batched), histories[i])
+            for i, ck in enumerate(runs.ckpts):
+                ck.save(t + 1, _run_states(i, groups, states, eng.batched), histories[i])
         bar.update(1)
         bar.set_postfix(records.postfix(histories[0][-1]))
     bar.close()
+
+
+def _stop_on_divergence(cfgs, runs: _Runs, eng: _Engine, histories, rep_rows, t: int) -> None:
+    """A repetition's non-finite (or too large) loss or accuracy ends the run: its summary says so."""
+    for i, c in enumerate(cfgs):
+        for rep in rep_rows[i]:
+            problem = records.divergence(rep, c.divergence_loss)
+            if problem:
+                summary = records.summary(c, histories[i], runs.summaries[i], eng.runners[i],
+                                          status=f"diverged at round {t + 1}")
+                records.write_json(os.path.join(c.out, "summary.json"), summary)
+                who = f" in repetition {rep['seed'] - c.seed} (seed {rep['seed']})" if c.reps > 1 else ""
+                raise DivergenceError(f"{problem}{who} at round {t + 1} (try a smaller --lr); "
+                                      f"everything up to it is in {c.out}")
+
+
+def _finish(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, histories: list, seconds: float, log) -> list[dict]:
+    """Each run's summary.json (with its message bytes) and curves.png; returns the summaries."""
     summaries = []
     for i, c in enumerate(cfgs):
-        summary = records.summary(c, histories[i], part_summaries[i], runners[i], status="completed")
-        summary["bytes_per_client_round"] = message_bytes(algo, datas[i], streams(c.seed)["init"])
-        summary["total_seconds"] = time.perf_counter() - t_start
-        if stacked:
+        summary = records.summary(c, histories[i], runs.summaries[i], eng.runners[i], status="completed")
+        summary["bytes_per_client_round"] = message_bytes(eng.algo, eng.datas[i], streams(c.seed)["init"])
+        summary["total_seconds"] = seconds
+        if len(cfgs) > 1:
             summary["stacked_runs"] = [o.out for o in cfgs]   # its round times are the whole stack's
         records.write_json(os.path.join(c.out, "summary.json"), summary)
         try:
@@ -362,8 +447,6 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
             log(f"warning: curves.png not written: {e}")
         summary["out"] = c.out
         summaries.append(summary)
-    if return_state:
-        return [(summaries[0], states[0], data, algo, runner.runners[-1])]
     return summaries
 
 
