@@ -89,6 +89,7 @@ class _ClientCalls:
         self._make = (compiled, train_of, ctx_axes, prefix)
         self._narrow: dict[tuple[int, bool], tuple] = {}   # (width, vmapped) -> (chunk, single step)
         self._warmed: set = set()                            # (id(train_n), vmapped) already warmed
+        self._plans: dict[int, list] = {}                    # one client's train size -> its plan
         if layout.step_loop == "scan":
             m = self.max_steps
             self.train_one = compiled(f"{prefix}train_scan", train_of(m), ctx_axes, steps=True)
@@ -123,10 +124,20 @@ class _ClientCalls:
             ns = np.take_along_axis(sizes, clients.reshape(sizes.shape[0], -1), axis=1).ravel()
         else:
             ns = sizes[np.ravel(clients)]
+        if len(ns) == 1:
+            return self._size_plan(int(ns[0]))
+        return width_runs(self._widths([self.problem.size(int(n)) for n in ns]))
+
+    def _widths(self, sizes: list[int]) -> list:
         t = self.problem.trainer
-        widths = step_widths([self.problem.size(int(n)) for n in ns], t.epochs, t.batch_size,
-                             self.layout.slot_granule, t.max_steps)
-        return width_runs(widths)
+        return step_widths(sizes, t.epochs, t.batch_size, self.layout.slot_granule, t.max_steps)
+
+    def _size_plan(self, n: int) -> list[tuple[int | None, int]]:
+        """The plan of one client of ``n`` train samples (made once per size, reused every round)."""
+        plan = self._plans.get(n)
+        if plan is None:
+            plan = self._plans[n] = width_runs(self._widths([self.problem.size(n)]))
+        return plan
 
     @staticmethod
     def plan_steps(plan) -> int:
@@ -154,12 +165,10 @@ class _ClientCalls:
         if self.layout.step_loop == "scan" or tag in self._warmed:
             return
         self._warmed.add(tag)
-        t, chunk = self.problem.trainer, self.layout.chunk_steps
+        chunk = self.layout.chunk_steps
         needed = set()
         for n in np.unique(self._host_sizes(data)):
-            widths = step_widths([self.problem.size(int(n))], t.epochs, t.batch_size, self.layout.slot_granule,
-                                 t.max_steps)
-            for width, count in width_runs(widths):
+            for width, count in self._size_plan(int(n)):
                 if count >= chunk:
                     needed.add((width is not None, width or 0, 0))
                 if count % chunk:
