@@ -2,7 +2,8 @@
 BENCHMARKS.md, "Scaling with clients").
 
 Every point is one ``pfedkdh run`` in a child process (so its peak memory is its own): MNIST α = 0.5,
-paper preset (E = 2, batch 64, lr 0.015), data seed 0, ``--min-client-samples 5``, a few rounds, one
+paper preset (E = 2, batch 64, lr 0.015), data seed 0, ``--min-client-samples 5``, ``--slot-granule 8``
+(every narrow width, as a long run's auto takes them), a few rounds, one
 evaluation of every client at the end (``--eval-every`` = the rounds; pFedKDH's EA with it). Two sweeps:
 
 * **K at a fixed number of selected samples a round**: K ∈ {20, 100, 1,000, 10,000} on MNIST (and
@@ -62,7 +63,9 @@ def run_point(method: str, dataset: str, k: int, c: int, rounds: int, data_dir: 
         args = ["run", "--method", method, "--dataset", dataset, "--preset", "paper", "--alpha", "0.5",
                 "--clients", str(k), "--clients-per-round", str(c), "--min-client-samples", "5",
                 "--rounds", str(rounds), "--eval-every", str(rounds), "--ea-every", str(rounds),
-                "--checkpoint-every", "0", "--out", out, "--no-progress", *extra]
+                "--checkpoint-every", "0", "--out", out, "--no-progress",
+                # the form a long run takes (auto would judge a few rounds too short to pay the widths' compiles)
+                "--slot-granule", "8", *extra]
         if data_dir:
             args += ["--data-dir", data_dir]
         if synthetic:

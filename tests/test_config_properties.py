@@ -40,6 +40,8 @@ INVALID = {
     "--clients-per-round": (st.one_of(st.integers(max_value=-1), st.integers(min_value=1000, max_value=10 ** 6)),
                             "--clients-per-round"),
     "--synthetic-samples": (st.integers(max_value=1), "--synthetic-samples"),
+    "--slot-granule": (st.one_of(st.integers(max_value=-1), st.sampled_from(["8.5", "eight", "Auto"])),
+                       "--slot-granule"),
 }
 
 

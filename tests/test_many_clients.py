@@ -29,6 +29,38 @@ def test_a_partial_last_batch_computes_its_own_size():
     assert width_runs([None, None, 40, None, 8, 8]) == [(None, 2), (40, 1), (None, 1), (8, 2)]
 
 
+def test_only_the_widths_whose_saving_pays_for_their_compile_are_kept():
+    """A width is kept when visits × steps × (1 − w/B) covers its pieces' compile (a single step: 44
+    full steps; a chunk of 2: 58); the others round up to the next kept width, or a full batch."""
+    from pfedkdh_jax.engine.local import compile_cost, paying_widths
+    # 10 clients of 40 (one step of 40 slots an epoch, 2 epochs: a chunk of 2) and 2 of 100 (64 + 40)
+    sizes = [40] * 10 + [100] * 2
+    saving_40 = 10 * 2 * (1 - 40 / 64) + 2 * 2 * (1 - 40 / 64)       # per visit, in full steps
+    cost_40 = compile_cost(2) + compile_cost(1)                        # the clients of 40: a chunk; of 100: single steps
+    enough = cost_40 / saving_40
+    assert paying_widths(sizes, enough * 1.01, 2, 64, 8, None, 2) == {40}
+    assert paying_widths(sizes, enough * 0.99, 2, 64, 8, None, 2) == frozenset()
+    assert paying_widths(sizes, None, 2, 64, 8, None, 2) is None                 # no workload: every width
+    assert paying_widths(sizes, 1e6, 2, 64, None, None, 2) == frozenset()        # no granule: none
+    # a width left out computes the next wider one kept, or a full batch
+    assert step_widths([20, 40], 1, 64, 8, kept=frozenset({40})) == [40]
+    assert step_widths([20], 1, 64, 8, kept=frozenset({40})) == [40]
+    assert step_widths([50], 1, 64, 8, kept=frozenset({40})) == [None]
+
+
+def test_a_runner_told_a_short_run_compiles_no_narrow_width(tiny):
+    """Two rounds of two clients cannot pay for a width's compile: full batches only (the run's
+    --slot-granule auto); a long run of the same clients narrows as a runner told nothing does."""
+    from pfedkdh_jax.engine.layout import Workload
+    _, _, data = tiny
+    algo = algorithms.build(make_config("smoke", method="fedavg", rounds=2), data.num_classes)
+    layout = Layout("sequential", "unrolled", chunk_steps=2)
+    for workload, narrows in ((Workload(2, 2), False), (Workload(100_000, 2), True)):
+        runner = RoundRunner(algo, data, layout, workload=workload)
+        runner.round(algo.init(jax.random.key(0), data), data, np.array([0, 1]), jax.random.key(1))
+        assert any("@" in k for k in runner.traces) == narrows, runner.traces
+
+
 @pytest.mark.parametrize("name", ["pfedkdh", pytest.param("fedavg", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("batch", [64, 16])
 def test_narrow_steps_compute_the_full_batch_round(tiny, name, batch):

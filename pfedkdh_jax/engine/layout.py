@@ -17,7 +17,9 @@
   batch rounded up to this multiple (exactly that many below one multiple) instead of a full batch:
   a client's partial last batch of an epoch, and every step of a client smaller than a batch
   (:func:`pfedkdh_jax.engine.local.step_widths`): what many small clients cost follows their
-  samples. ``None``: every step computes a full batch.
+  samples. ``None``: every step computes a full batch. Each width compiles its own pieces once; a
+  runner told its :class:`Workload` compiles only the widths whose saving over the run pays for
+  that (:func:`pfedkdh_jax.engine.local.paying_widths`), so a short run computes full batches.
 
 On XLA:CPU a convolution inside a while loop is ~15–20× slower than the same steps unrolled, so the CPU
 default is sequential + unrolled; on GPU/TPU the default is vmap + scan, one compiled call per round.
@@ -82,6 +84,24 @@ class Layout:
                                  f"client_parallel='vmap' and step_loop='scan' (got {cfg.client_parallel!r}, "
                                  f"{cfg.step_loop!r})")
         return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """How much a run will ask of a runner, told to it so that it compiles only what pays: the narrow
+    step widths of ``Layout.slot_granule`` whose expected saving covers their compile time.
+
+    ``rounds``: the rounds the runner will train (of a phased method, all phases together);
+    ``clients_per_round``: the clients each trains; ``evaluations``: the evaluations that
+    personalize every client on images (fine-tuning methods), at most one a round."""
+
+    rounds: int
+    clients_per_round: int
+    evaluations: int = 0
+
+    def visits(self, num_clients: int, rounds: int | None = None) -> float:
+        """How often each of ``num_clients`` clients trains, on average, in ``rounds`` of the rounds."""
+        return (self.rounds if rounds is None else rounds) * self.clients_per_round / max(num_clients, 1)
 
 
 # XLA:CPU's choice of the operations it hands to its YNNPACK library (all kinds by default in jaxlib 0.10).

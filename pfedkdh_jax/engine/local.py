@@ -17,6 +17,7 @@ from typing import Any, Callable
 import flax.struct as struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 PyTree = Any
@@ -172,13 +173,15 @@ def slot_width(samples: int, batch_size: int, granule: int = 8) -> int:
 
 
 def step_widths(samples, epochs: int, batch_size: int, granule: int | None,
-                max_steps: int | None = None) -> list[int | None]:
+                max_steps: int | None = None, kept: frozenset | None = None) -> list[int | None]:
     """The slots each local step computes, for clients visiting ``samples`` (host ints) samples an
     epoch that take their steps together (one client, or one per repetition): step ``s`` of a
     client holds ``min(B, n − (s mod ceil(n/B))·B)`` samples, its last batch of an epoch partial;
     the width of a step is the largest :func:`slot_width` of the clients still training at it.
     ``None`` for a full batch (and every step when ``granule`` is ``None``). A 100-sample client's
-    epoch is a step of 64 slots and one of 40, not two of 64."""
+    epoch is a step of 64 slots and one of 40, not two of 64. ``kept``: the only narrow widths
+    allowed (:func:`paying_widths`); a step needing another computes the next wider one kept, or a
+    full batch."""
     sizes = [max(int(n), 0) for n in samples]
     counts = [steps_for(n, epochs, batch_size, max_steps) for n in sizes]
     out: list[int | None] = []
@@ -192,8 +195,49 @@ def step_widths(samples, epochs: int, batch_size: int, granule: int | None,
                 spe = max(-(-n // batch_size), 1)
                 need = max(need, min(batch_size, n - (s % spe) * batch_size))
         w = slot_width(need, batch_size, granule)
+        if kept is not None and w < batch_size:
+            w = min((k for k in kept if k >= w), default=batch_size)
         out.append(None if w >= batch_size else w)
     return out
+
+
+def compile_cost(steps: int) -> float:
+    """What compiling a piece of ``steps`` unrolled local steps costs, in full-batch steps run: on
+    the 2-core CPU (MNIST CNN, batch 64) one step compiled in 0.74 s and a chunk of 8 in 2.56 s,
+    while a full step ran in 17.4 ms: about 30 + 14·steps (BENCHMARKS.md, "Which widths compile")."""
+    return 30.0 + 14.0 * steps
+
+
+def paying_widths(samples, visits: float, epochs: int, batch_size: int, granule: int | None,
+                  max_steps: int | None, chunk_steps: int) -> frozenset | None:
+    """The narrow widths (:func:`step_widths`) worth compiling for clients of ``samples`` samples
+    an epoch (host ints, one per client) that each train about ``visits`` times over a run.
+
+    A step on ``w`` slots instead of a full batch saves about ``1 − w/B`` of a full step (measured:
+    24 and 40 slots ran in 36 % and 58 % of a 64-slot step), while each width compiles its own
+    pieces once (:func:`compile_cost`: a single step is worth about 44 full steps, a chunk of 8
+    about 140). A width is kept when its expected saving over the run covers its compiles, so a
+    short run (a smoke test, 2 rounds) computes full batches and compiles nothing more, and a long
+    run of many small clients narrows every width it meets. ``None`` (every width) when
+    ``visits`` is ``None``; the empty set when ``granule`` is ``None``."""
+    if granule is None:
+        return frozenset()
+    if visits is None:
+        return None
+    sizes, counts = np.unique(np.asarray(samples, np.int64).ravel(), return_counts=True)
+    saved: dict[int, float] = {}
+    pieces: dict[int, set] = {}
+    for n, count in zip(sizes, counts):
+        for w, steps in width_runs(step_widths([int(n)], epochs, batch_size, granule, max_steps)):
+            if w is None:
+                continue
+            saved[w] = saved.get(w, 0.0) + float(count) * visits * steps * (1.0 - w / batch_size)
+            need = pieces.setdefault(w, set())
+            if steps >= chunk_steps:
+                need.add(chunk_steps)
+            if steps % chunk_steps:
+                need.add(1)
+    return frozenset(w for w, s in saved.items() if s >= sum(compile_cost(p) for p in pieces[w]))
 
 
 def width_runs(widths: list[int | None]) -> list[tuple[int | None, int]]:

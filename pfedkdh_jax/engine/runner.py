@@ -40,8 +40,8 @@ from pfedkdh_jax.engine.protocol import Algorithm
 from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
-from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
-from pfedkdh_jax.engine.local import LocalState, LocalTrainer, step_widths, tree_stack, width_runs
+from pfedkdh_jax.engine.layout import Layout, Workload, local_training_compiler_options
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer, paying_widths, step_widths, tree_stack, width_runs
 from pfedkdh_jax.engine.packing import make_packed_round
 from pfedkdh_jax.engine.round import LocalProblem, make_round, max_local_steps, select_clients
 from pfedkdh_jax.engine.sharding import leading_axis_sharding, per_device, replicated
@@ -64,12 +64,14 @@ class _ClientCalls:
     """
 
     def __init__(self, compiled, layout: Layout, problem_of, host_problem: LocalProblem, max_size: int,
-                 prefix: str, d=None):
+                 prefix: str, d=None, visits: float | None = None):
         # problem_of(algo) -> the LocalProblem (rebuilt inside a trace with stacked hyperparameters);
         # host_problem: the one the host counts steps with; max_size: the largest client (static step
-        # count of a scan); d: the data's repetition in_axes
-        self.layout, self.problem = layout, host_problem
+        # count of a scan); d: the data's repetition in_axes; visits: about how often each client
+        # will train over the run (None: not known, every narrow width is compiled)
+        self.layout, self.problem, self.visits = layout, host_problem, visits
         self._sizes: dict[int, tuple] = {}   # id(train_n) -> (train_n, its host copy)
+        self._kept: dict[int, tuple] = {}    # id(train_n) -> (train_n, the narrow widths that pay)
         self.max_steps = int(host_problem.trainer.num_steps(host_problem.size(max_size)))
 
         def train_of(n, vmapped=False, width=None):   # n steps of one client (or of every client, vmapped)
@@ -89,7 +91,7 @@ class _ClientCalls:
         self._make = (compiled, train_of, ctx_axes, prefix)
         self._narrow: dict[tuple[int, bool], tuple] = {}   # (width, vmapped) -> (chunk, single step)
         self._warmed: set = set()                            # (id(train_n), vmapped) already warmed
-        self._plans: dict[int, list] = {}                    # one client's train size -> its plan
+        self._plans: dict[tuple, list] = {}                  # (kept widths, one client's size) -> its plan
         if layout.step_loop == "scan":
             m = self.max_steps
             self.train_one = compiled(f"{prefix}train_scan", train_of(m), ctx_axes, steps=True)
@@ -119,25 +121,38 @@ class _ClientCalls:
         are read from the data given (any partition of the stacked shape)."""
         if self.layout.step_loop == "scan":
             return None
-        clients, sizes = np.asarray(clients), self._host_sizes(data)
+        clients, sizes, kept = np.asarray(clients), self._host_sizes(data), self._kept_widths(data)
         if sizes.ndim == 2:   # stacked partitions: each repetition's clients in its own partition
             ns = np.take_along_axis(sizes, clients.reshape(sizes.shape[0], -1), axis=1).ravel()
         else:
             ns = sizes[np.ravel(clients)]
         if len(ns) == 1:
-            return self._size_plan(int(ns[0]))
-        return width_runs(self._widths([self.problem.size(int(n)) for n in ns]))
+            return self._size_plan(int(ns[0]), kept)
+        return width_runs(self._widths([self.problem.size(int(n)) for n in ns], kept))
 
-    def _widths(self, sizes: list[int]) -> list:
+    def _widths(self, sizes: list[int], kept: frozenset | None) -> list:
         t = self.problem.trainer
-        return step_widths(sizes, t.epochs, t.batch_size, self.layout.slot_granule, t.max_steps)
+        return step_widths(sizes, t.epochs, t.batch_size, self.layout.slot_granule, t.max_steps, kept)
 
-    def _size_plan(self, n: int) -> list[tuple[int | None, int]]:
+    def _size_plan(self, n: int, kept: frozenset | None) -> list[tuple[int | None, int]]:
         """The plan of one client of ``n`` train samples (made once per size, reused every round)."""
-        plan = self._plans.get(n)
+        plan = self._plans.get((kept, n))
         if plan is None:
-            plan = self._plans[n] = width_runs(self._widths([self.problem.size(n)]))
+            plan = self._plans[kept, n] = width_runs(self._widths([self.problem.size(n)], kept))
         return plan
+
+    def _kept_widths(self, data: FederatedData) -> frozenset | None:
+        """The narrow widths worth compiling for ``data``'s clients over the run
+        (:func:`~pfedkdh_jax.engine.local.paying_widths`; ``None``: all), found once per data object."""
+        cached = self._kept.get(id(data.train_n))
+        if cached is None or cached[0] is not data.train_n:
+            t = self.problem.trainer
+            sizes, inverse = np.unique(self._host_sizes(data), return_inverse=True)
+            samples = np.asarray([self.problem.size(int(n)) for n in sizes])[inverse]
+            kept = paying_widths(samples, self.visits, t.epochs, t.batch_size, self.layout.slot_granule,
+                                 t.max_steps, self.layout.chunk_steps)
+            cached = self._kept[id(data.train_n)] = (data.train_n, kept)
+        return cached[1]
 
     @staticmethod
     def plan_steps(plan) -> int:
@@ -165,10 +180,10 @@ class _ClientCalls:
         if self.layout.step_loop == "scan" or tag in self._warmed:
             return
         self._warmed.add(tag)
-        chunk = self.layout.chunk_steps
+        chunk, kept = self.layout.chunk_steps, self._kept_widths(data)
         needed = set()
         for n in np.unique(self._host_sizes(data)):
-            for width, count in self._size_plan(int(n)):
+            for width, count in self._size_plan(int(n), kept):
                 if count >= chunk:
                     needed.add((width is not None, width or 0, 0))
                 if count % chunk:
@@ -265,10 +280,12 @@ class RoundRunner:
 
     def __init__(self, algo: Algorithm, data: FederatedData, layout: Layout = Layout(), *,
                  reps: int | None = None, mesh: jax.sharding.Mesh | None = None,
-                 hparams: dict | None = None):
+                 hparams: dict | None = None, workload: Workload | None = None):
         # hparams: {field: [R] values} of repetitions that differ in plain-number hyperparameters
         # (stacked runs): every piece then rebuilds the algorithm inside its trace from its
-        # repetition's values (``algo.with_hparams``), so one program serves them all
+        # repetition's values (``algo.with_hparams``), so one program serves them all;
+        # workload: the rounds this runner will train (and evaluations), so that the host plans
+        # compile only the narrow step widths that pay (None: every width its clients meet)
         self.algo, self.reps, self.mesh = algo, reps, mesh
         if hparams is not None and reps is None:
             raise ValueError("hparams are per repetition: they need reps")
@@ -313,8 +330,10 @@ class RoundRunner:
             return jitted if hparams is None else functools.partial(jitted, self.place(hparams))
 
         # --- rounds
+        k = data.num_clients
         self._clients = _ClientCalls(compiled, layout, lambda a: make_round(a, layout).problem,
-                                     self.round_fn.problem, largest, "", d)
+                                     self.round_fn.problem, largest, "", d,
+                                     None if workload is None else workload.visits(k))
         self._context = compiled("context", lambda a: a.context, (0,))
         self._server = compiled("server_update", lambda a: a.server_update, (0, d, 0, 0, 0))
         # sequential clients: their uploads go to the server step as they are (a list), stacked inside
@@ -360,7 +379,8 @@ class RoundRunner:
             self.adapted_on_features = compiled("personalize_on_features", lambda a: ev(a).adapted_on_features, (0, d, 0, 0))
         elif p is not None:
             self._personal = _ClientCalls(compiled, layout, lambda a: image_problem(a.personalization, layout.step_loop),
-                                          image_problem(p, layout.step_loop), largest, "personalize_", d)
+                                          image_problem(p, layout.step_loop), largest, "personalize_", d,
+                                          None if workload is None else float(workload.evaluations))
             self._personal_models = compiled("personalized_models", lambda a: a.personalization.models, (0, 0))
             self._personal_fused = compiled("personalize", lambda a: ev(a).adapted_on_images, (0, d, 0), steps=True)
 
@@ -486,21 +506,32 @@ class PhasedRunner:
     """
 
     def __init__(self, algo: Algorithm, data: FederatedData, layout: Layout = Layout(), *,
-                 reps: int | None = None, mesh: jax.sharding.Mesh | None = None, hparams: dict | None = None):
+                 reps: int | None = None, mesh: jax.sharding.Mesh | None = None, hparams: dict | None = None,
+                 workload: Workload | None = None):
         self.phases = algo.phases
         if hparams is not None and len(self.phases) > 1:
             raise ValueError("stacked hyperparameter values need a method of one phase")
-        self.runners = [RoundRunner(p.algorithm, data, layout, reps=reps, mesh=mesh, hparams=hparams)
-                        for p in self.phases]
         if any(p.rounds is None for p in self.phases[:-1]):
             raise ValueError("only the last phase may run 'every remaining round' (rounds=None)")
         self.starts = [sum(p.rounds for p in self.phases[:i]) for i in range(len(self.phases))]
+        self.runners = [RoundRunner(p.algorithm, data, layout, reps=reps, mesh=mesh, hparams=hparams,
+                                    workload=self._phase_workload(workload, i))
+                        for i, p in enumerate(self.phases)]
         self._enter = []
         for p in self.phases:
             fn = p.enter
             if fn is not None and reps is not None:
                 fn = jax.vmap(fn, in_axes=(0, data_axes(data), 0))
             self._enter.append(jax.jit(fn) if fn is not None else None)
+
+    def _phase_workload(self, workload: Workload | None, i: int) -> Workload | None:
+        """The part of ``workload`` that phase ``i`` runs (its rounds; the evaluations fall in the last)."""
+        if workload is None or len(self.phases) == 1:
+            return workload
+        end = self.phases[i].rounds
+        rounds = max(0, min(workload.rounds - self.starts[i], workload.rounds if end is None else end))
+        last = i == len(self.phases) - 1
+        return Workload(rounds, workload.clients_per_round, workload.evaluations if last else 0)
 
     @property
     def layout(self) -> Layout:

@@ -69,8 +69,9 @@ _FLAGS = [
     ("--client-parallel", "client_parallel", str, "vmap | sequential (default: per backend)"),
     ("--step-loop", "step_loop", str, "scan | unrolled (default: per backend)"),
     ("--chunk-steps", "chunk_steps", int, "local steps per compiled chunk when unrolled"),
-    ("--slot-granule", "slot_granule", int, "unrolled steps compute their batch's size rounded up to this multiple "
-                                            "(exactly below it; default 8; 0: a full batch every step)"),
+    ("--slot-granule", "slot_granule", str, "unrolled steps compute their batch's size rounded up to this multiple "
+                                            "(exactly below it); 0: a full batch every step; auto (default): 8, "
+                                            "only for the widths whose saving over the run pays their compile"),
     ("--lanes", "lanes", int, "pack each round's (repetition, client) local work into this many lanes "
                               "(needs --client-parallel vmap --step-loop scan; default: off)"),
     ("--client-devices", "client_devices", int, "spread sequential clients over this many local devices "

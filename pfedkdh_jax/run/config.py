@@ -87,8 +87,9 @@ class RunConfig:
     client_parallel: str | None = None  # vmap | sequential
     step_loop: str | None = None       # scan | unrolled
     chunk_steps: int = 8               # local steps per compiled chunk (step_loop = unrolled)
-    slot_granule: int = 8              # unrolled steps compute their batch's size rounded up to this
-                                       # multiple, exactly below it (0: a full batch every step)
+    slot_granule: int | str = "auto"   # unrolled steps compute their batch's size rounded up to this
+                                       # multiple, exactly below it (0: a full batch every step; auto:
+                                       # 8, for the widths whose saving over the run pays their compile)
     lanes: int | None = None           # pack each round's local work into this many lanes (vmap + scan)
     client_devices: int | None = None  # sequential clients spread over this many local devices (None: all;
                                        # the CLI makes one XLA:CPU device per core, up to 2)
@@ -110,6 +111,26 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+AUTO_GRANULE = 8   # --slot-granule auto: this granule, for the widths that pay for their compile
+
+
+def _granule_ok(value) -> bool:
+    if value == "auto":
+        return True
+    try:
+        return int(value) >= 0 and float(value) == int(value)
+    except (TypeError, ValueError):
+        return False
+
+
+def slot_granule(cfg: RunConfig) -> tuple[int | None, bool]:
+    """``--slot-granule`` as (the granule, ``None`` for full batches; whether only the widths that
+    pay for their compile over the run are narrowed, as ``auto`` does)."""
+    if cfg.slot_granule == "auto":
+        return AUTO_GRANULE, True
+    return int(cfg.slot_granule) or None, False
 
 
 def preset(name: str, dataset: str) -> dict[str, Any]:
@@ -220,7 +241,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.step_loop in (None, "scan", "unrolled"),
            f"--step-loop must be scan or unrolled; got {cfg.step_loop!r}")
     _check(cfg.chunk_steps >= 1, f"--chunk-steps must be >= 1; got {cfg.chunk_steps}")
-    _check(cfg.slot_granule >= 0, f"--slot-granule must be >= 0 (0: a full batch every step); got {cfg.slot_granule}")
+    _check(_granule_ok(cfg.slot_granule),
+           f"--slot-granule must be auto or an integer >= 0 (0: a full batch every step); got {cfg.slot_granule!r}")
     _check(cfg.client_devices is None or cfg.client_devices >= 1,
            f"--client-devices must be >= 1; got {cfg.client_devices}")
     _check(cfg.lanes is None or cfg.lanes >= 1, f"--lanes must be >= 1; got {cfg.lanes}")

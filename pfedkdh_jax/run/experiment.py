@@ -27,12 +27,12 @@ from pfedkdh_jax import algorithms
 from pfedkdh_jax import data as data_lib
 from pfedkdh_jax.data.device import build_federated_data, from_arrays, run_slice, stack_partitions
 from pfedkdh_jax.engine.protocol import message_bytes
-from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.engine.layout import Layout, Workload
 from pfedkdh_jax.engine.local import tree_stack
 from pfedkdh_jax.engine.runner import PhasedRunner, sample_schedule
 from pfedkdh_jax.run.checkpoint import CheckpointError, Checkpoints, fingerprint
 from pfedkdh_jax.run.lock import locked
-from pfedkdh_jax.run.config import ConfigError, RunConfig, validate
+from pfedkdh_jax.run.config import ConfigError, RunConfig, slot_granule, validate
 from pfedkdh_jax.run import preflight, records
 
 
@@ -317,8 +317,9 @@ def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
 
     # One runner (per phase of the method) for all groups: sequential repetitions reuse the same
     # compiled functions (one set per hyperparameter value).
+    workload = run_workload(cfg, 1 if batched else len(members))
     runner = PhasedRunner(algo, runner_data, layout, reps=len(members) if batched else None, mesh=mesh,
-                          hparams=hparams)
+                          hparams=hparams, workload=workload)
     runners = [runner] * len(cfgs)
     if varied and not batched:
         by_values: dict[tuple, PhasedRunner] = {}
@@ -326,7 +327,8 @@ def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
             values = tuple(getattr(c, f) for f in varied)
             if values not in by_values:
                 by_values[values] = (runner if i == 0 else
-                                     PhasedRunner(algos[i], runner_data, layout, reps=None, mesh=mesh))
+                                     PhasedRunner(algos[i], runner_data, layout, reps=None, mesh=mesh,
+                                                  workload=workload))
             runners[i] = by_values[values]
     spread = runner.runners[0].spread
     if spread is not None or mesh is not None:
@@ -523,12 +525,24 @@ def _make_dir(path: str) -> None:
         raise ConfigError(f"--out {path}: cannot create it ({e.strerror or e})") from None
 
 
+def run_workload(cfg: RunConfig, passes: int = 1) -> Workload | None:
+    """What the run asks of its runner, which then compiles only the narrow step widths that pay for
+    it (``--slot-granule auto``; :func:`~pfedkdh_jax.engine.local.paying_widths`): ``passes`` runs
+    of ``--rounds`` rounds (sequential repetitions reuse one runner), ``--clients-per-round``
+    clients each, and every evaluation (a fine-tuning method personalizes every client at each).
+    ``None`` with a granule given: every width it gives."""
+    if not slot_granule(cfg)[1]:
+        return None
+    evaluations = sum(1 for t in range(cfg.rounds) if t == cfg.rounds - 1 or (t + 1) % cfg.eval_every == 0)
+    return Workload(cfg.rounds * passes, cfg.clients_per_round, evaluations * passes)
+
+
 def engine_layout(cfg: RunConfig) -> Layout:
     """The run's resolved layout; a layout that cannot be (``--lanes`` without vmap + scan) is one
     line (ConfigError)."""
     try:
         layout = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps, client_devices=cfg.client_devices,
-                        slot_granule=cfg.slot_granule or None).resolved()
+                        slot_granule=slot_granule(cfg)[0]).resolved()
     except ValueError as e:   # --client-devices beyond the local devices, or without sequential clients
         raise ConfigError(f"--client-devices: {e}") from None
     try:
