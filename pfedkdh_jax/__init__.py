@@ -37,7 +37,7 @@ _EXPORTS = {
     "LocalConfig": "algorithms.configs", "OptionError": "algorithms.configs", "PFedKDHState": "algorithms.pfedkdh",
     "METHODS": "algorithms", "build_algorithm": ("algorithms", "build"),
     # engine
-    "Layout": "engine.layout", "LocalTrainer": "engine.local", "LocalState": "engine.local",
+    "Layout": "engine.layout", "Workload": "engine.layout", "LocalTrainer": "engine.local", "LocalState": "engine.local",
     "make_round": "engine.round", "make_evaluate": "engine.evaluate", "select_clients": "engine.round",
     "RoundRunner": "engine.runner", "sample_schedule": "engine.runner",
     # runs

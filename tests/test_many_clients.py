@@ -40,8 +40,6 @@ def test_only_the_widths_whose_saving_pays_for_their_compile_are_kept():
     enough = cost_40 / saving_40
     assert paying_widths(sizes, enough * 1.01, 2, 64, 8, None, 2) == {40}
     assert paying_widths(sizes, enough * 0.99, 2, 64, 8, None, 2) == frozenset()
-    assert paying_widths(sizes, None, 2, 64, 8, None, 2) is None                 # no workload: every width
-    assert paying_widths(sizes, 1e6, 2, 64, None, None, 2) == frozenset()        # no granule: none
     # a width left out computes the next wider one kept, or a full batch
     assert step_widths([20, 40], 1, 64, 8, kept=frozenset({40})) == [40]
     assert step_widths([20], 1, 64, 8, kept=frozenset({40})) == [40]
@@ -50,12 +48,13 @@ def test_only_the_widths_whose_saving_pays_for_their_compile_are_kept():
 
 def test_a_runner_told_a_short_run_compiles_no_narrow_width(tiny):
     """Two rounds of two clients cannot pay for a width's compile: full batches only (the run's
-    --slot-granule auto); a long run of the same clients narrows as a runner told nothing does."""
+    --slot-granule auto); a long run of the same clients narrows; a runner told no workload computes
+    full batches."""
     from pfedkdh_jax.engine.layout import Workload
     _, _, data = tiny
     algo = algorithms.build(make_config("smoke", method="fedavg", rounds=2), data.num_classes)
-    layout = Layout("sequential", "unrolled", chunk_steps=2)
-    for workload, narrows in ((Workload(2, 2), False), (Workload(100_000, 2), True)):
+    layout = Layout("sequential", "unrolled", chunk_steps=2)   # slot_granule="auto"
+    for workload, narrows in ((Workload(2, 2), False), (Workload(100_000, 2), True), (None, False)):
         runner = RoundRunner(algo, data, layout, workload=workload)
         runner.round(algo.init(jax.random.key(0), data), data, np.array([0, 1]), jax.random.key(1))
         assert any("@" in k for k in runner.traces) == narrows, runner.traces

@@ -17,9 +17,11 @@
   batch rounded up to this multiple (exactly that many below one multiple) instead of a full batch:
   a client's partial last batch of an epoch, and every step of a client smaller than a batch
   (:func:`pfedkdh_jax.engine.local.step_widths`): what many small clients cost follows their
-  samples. ``None``: every step computes a full batch. Each width compiles its own pieces once; a
-  runner told its :class:`Workload` compiles only the widths whose saving over the run pays for
-  that (:func:`pfedkdh_jax.engine.local.paying_widths`), so a short run computes full batches.
+  samples. ``None``: every step computes a full batch. Each width compiles its own pieces once:
+  ``"auto"`` (the default) takes ``AUTO_GRANULE`` for the widths whose saving over the run pays for
+  that, as told by the runner's :class:`Workload` (:func:`pfedkdh_jax.engine.local.paying_widths`):
+  a short run computes full batches, a long run of many small clients narrows them all; a runner
+  told no workload computes full batches. An integer narrows every width it gives.
 
 On XLA:CPU a convolution inside a while loop is ~15–20× slower than the same steps unrolled, so the CPU
 default is sequential + unrolled; on GPU/TPU the default is vmap + scan, one compiled call per round.
@@ -49,8 +51,9 @@ class Layout:
                                          # (engine/packing.py; vmap + scan only); None: one per job
     client_devices: int | None = None    # sequential clients spread over this many local devices;
                                          # None: every local device with sequential clients, else 1
-    slot_granule: int | None = 8         # host plans: a step computes its batch's size rounded
-                                         # up to this multiple; None: a full batch every step
+    slot_granule: int | str | None = "auto"  # host plans: a step computes its batch's size rounded
+                                         # up to this multiple; None: a full batch every step; "auto":
+                                         # AUTO_GRANULE for the widths that pay (with a Workload)
 
     def resolved(self, backend: str | None = None) -> "Layout":
         backend = backend or jax.default_backend()
@@ -74,8 +77,9 @@ class Layout:
             raise ValueError(f"step_loop must be one of {STEP_LOOPS}, got {cfg.step_loop!r}")
         if cfg.chunk_steps < 1:
             raise ValueError(f"chunk_steps must be >= 1, got {cfg.chunk_steps}")
-        if cfg.slot_granule is not None and cfg.slot_granule < 1:
-            raise ValueError(f"slot_granule must be >= 1 or None, got {cfg.slot_granule}")
+        if cfg.slot_granule is not None and cfg.slot_granule != "auto" and (
+                not isinstance(cfg.slot_granule, int) or cfg.slot_granule < 1):
+            raise ValueError(f"slot_granule must be 'auto', an int >= 1 or None, got {cfg.slot_granule!r}")
         if cfg.lanes is not None:
             if cfg.lanes < 1:
                 raise ValueError(f"lanes must be >= 1, got {cfg.lanes}")
@@ -84,6 +88,9 @@ class Layout:
                                  f"client_parallel='vmap' and step_loop='scan' (got {cfg.client_parallel!r}, "
                                  f"{cfg.step_loop!r})")
         return cfg
+
+
+AUTO_GRANULE = 8   # slot_granule="auto": this granule, for the widths whose saving pays their compile
 
 
 @dataclasses.dataclass(frozen=True)

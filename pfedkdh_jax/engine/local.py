@@ -208,8 +208,8 @@ def compile_cost(steps: int) -> float:
     return 30.0 + 14.0 * steps
 
 
-def paying_widths(samples, visits: float, epochs: int, batch_size: int, granule: int | None,
-                  max_steps: int | None, chunk_steps: int) -> frozenset | None:
+def paying_widths(samples, visits: float, epochs: int, batch_size: int, granule: int,
+                  max_steps: int | None, chunk_steps: int) -> frozenset:
     """The narrow widths (:func:`step_widths`) worth compiling for clients of ``samples`` samples
     an epoch (host ints, one per client) that each train about ``visits`` times over a run.
 
@@ -218,12 +218,7 @@ def paying_widths(samples, visits: float, epochs: int, batch_size: int, granule:
     pieces once (:func:`compile_cost`: a single step is worth about 44 full steps, a chunk of 8
     about 140). A width is kept when its expected saving over the run covers its compiles, so a
     short run (a smoke test, 2 rounds) computes full batches and compiles nothing more, and a long
-    run of many small clients narrows every width it meets. ``None`` (every width) when
-    ``visits`` is ``None``; the empty set when ``granule`` is ``None``."""
-    if granule is None:
-        return frozenset()
-    if visits is None:
-        return None
+    run of many small clients narrows every width it meets."""
     sizes, counts = np.unique(np.asarray(samples, np.int64).ravel(), return_counts=True)
     saved: dict[int, float] = {}
     pieces: dict[int, set] = {}

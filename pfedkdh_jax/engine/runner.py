@@ -40,7 +40,7 @@ from pfedkdh_jax.engine.protocol import Algorithm
 from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
-from pfedkdh_jax.engine.layout import Layout, Workload, local_training_compiler_options
+from pfedkdh_jax.engine.layout import AUTO_GRANULE, Layout, Workload, local_training_compiler_options
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer, paying_widths, step_widths, tree_stack, width_runs
 from pfedkdh_jax.engine.packing import make_packed_round
 from pfedkdh_jax.engine.round import LocalProblem, make_round, max_local_steps, select_clients
@@ -68,8 +68,10 @@ class _ClientCalls:
         # problem_of(algo) -> the LocalProblem (rebuilt inside a trace with stacked hyperparameters);
         # host_problem: the one the host counts steps with; max_size: the largest client (static step
         # count of a scan); d: the data's repetition in_axes; visits: about how often each client
-        # will train over the run (None: not known, every narrow width is compiled)
+        # will train over the run (Layout.slot_granule "auto"; None: not known, full batches)
         self.layout, self.problem, self.visits = layout, host_problem, visits
+        g = layout.slot_granule
+        self._granule = AUTO_GRANULE if g == "auto" else g   # the granule of the step widths
         self._sizes: dict[int, tuple] = {}   # id(train_n) -> (train_n, its host copy)
         self._kept: dict[int, tuple] = {}    # id(train_n) -> (train_n, the narrow widths that pay)
         self.max_steps = int(host_problem.trainer.num_steps(host_problem.size(max_size)))
@@ -132,7 +134,7 @@ class _ClientCalls:
 
     def _widths(self, sizes: list[int], kept: frozenset | None) -> list:
         t = self.problem.trainer
-        return step_widths(sizes, t.epochs, t.batch_size, self.layout.slot_granule, t.max_steps, kept)
+        return step_widths(sizes, t.epochs, t.batch_size, self._granule, t.max_steps, kept)
 
     def _size_plan(self, n: int, kept: frozenset | None) -> list[tuple[int | None, int]]:
         """The plan of one client of ``n`` train samples (made once per size, reused every round)."""
@@ -142,14 +144,19 @@ class _ClientCalls:
         return plan
 
     def _kept_widths(self, data: FederatedData) -> frozenset | None:
-        """The narrow widths worth compiling for ``data``'s clients over the run
-        (:func:`~pfedkdh_jax.engine.local.paying_widths`; ``None``: all), found once per data object."""
+        """The narrow widths compiled for ``data``'s clients: with ``slot_granule="auto"`` those
+        worth it over the run (:func:`~pfedkdh_jax.engine.local.paying_widths`, found once per data
+        object; none when the runner was told no workload); ``None`` (all) with a granule given."""
+        if self.layout.slot_granule != "auto":
+            return None
+        if self.visits is None:
+            return frozenset()
         cached = self._kept.get(id(data.train_n))
         if cached is None or cached[0] is not data.train_n:
             t = self.problem.trainer
             sizes, inverse = np.unique(self._host_sizes(data), return_inverse=True)
             samples = np.asarray([self.problem.size(int(n)) for n in sizes])[inverse]
-            kept = paying_widths(samples, self.visits, t.epochs, t.batch_size, self.layout.slot_granule,
+            kept = paying_widths(samples, self.visits, t.epochs, t.batch_size, self._granule,
                                  t.max_steps, self.layout.chunk_steps)
             cached = self._kept[id(data.train_n)] = (data.train_n, kept)
         return cached[1]

@@ -113,9 +113,6 @@ class RunConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-AUTO_GRANULE = 8   # --slot-granule auto: this granule, for the widths that pay for their compile
-
-
 def _granule_ok(value) -> bool:
     if value == "auto":
         return True
@@ -125,12 +122,11 @@ def _granule_ok(value) -> bool:
         return False
 
 
-def slot_granule(cfg: RunConfig) -> tuple[int | None, bool]:
-    """``--slot-granule`` as (the granule, ``None`` for full batches; whether only the widths that
-    pay for their compile over the run are narrowed, as ``auto`` does)."""
+def slot_granule(cfg: RunConfig) -> int | str | None:
+    """``--slot-granule`` as ``Layout.slot_granule``: ``"auto"``, a granule, or ``None`` (0: full batches)."""
     if cfg.slot_granule == "auto":
-        return AUTO_GRANULE, True
-    return int(cfg.slot_granule) or None, False
+        return "auto"
+    return int(cfg.slot_granule) or None
 
 
 def preset(name: str, dataset: str) -> dict[str, Any]:

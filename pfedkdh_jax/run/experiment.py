@@ -525,14 +525,11 @@ def _make_dir(path: str) -> None:
         raise ConfigError(f"--out {path}: cannot create it ({e.strerror or e})") from None
 
 
-def run_workload(cfg: RunConfig, passes: int = 1) -> Workload | None:
+def run_workload(cfg: RunConfig, passes: int = 1) -> Workload:
     """What the run asks of its runner, which then compiles only the narrow step widths that pay for
     it (``--slot-granule auto``; :func:`~pfedkdh_jax.engine.local.paying_widths`): ``passes`` runs
     of ``--rounds`` rounds (sequential repetitions reuse one runner), ``--clients-per-round``
-    clients each, and every evaluation (a fine-tuning method personalizes every client at each).
-    ``None`` with a granule given: every width it gives."""
-    if not slot_granule(cfg)[1]:
-        return None
+    clients each, and every evaluation (a fine-tuning method personalizes every client at each)."""
     evaluations = sum(1 for t in range(cfg.rounds) if t == cfg.rounds - 1 or (t + 1) % cfg.eval_every == 0)
     return Workload(cfg.rounds * passes, cfg.clients_per_round, evaluations * passes)
 
@@ -542,7 +539,7 @@ def engine_layout(cfg: RunConfig) -> Layout:
     line (ConfigError)."""
     try:
         layout = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps, client_devices=cfg.client_devices,
-                        slot_granule=slot_granule(cfg)[0]).resolved()
+                        slot_granule=slot_granule(cfg)).resolved()
     except ValueError as e:   # --client-devices beyond the local devices, or without sequential clients
         raise ConfigError(f"--client-devices: {e}") from None
     try:
