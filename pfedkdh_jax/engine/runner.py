@@ -263,7 +263,8 @@ class _Rows:
         self.axis = axis
         # a zero buffer shaped from one row (computed from it, so that it takes the row's sharding)
         self._empty = jax.jit(lambda row, n: jax.tree_util.tree_map(
-            lambda r: jnp.repeat(jnp.expand_dims(r * 0, axis), n, axis=axis), row), static_argnums=1)
+            lambda r: jnp.repeat(jnp.expand_dims((r * 0).astype(r.dtype), axis), n, axis=axis), row),
+            static_argnums=1)
         self._put = jax.jit(lambda buf, row, c: jax.tree_util.tree_map(
             lambda b, r: jax.lax.dynamic_update_index_in_dim(b, r, c, axis), buf, row), donate_argnums=0)
 
