@@ -106,9 +106,9 @@ class Workload:
     clients_per_round: int
     evaluations: int = 0
 
-    def visits(self, num_clients: int, rounds: int | None = None) -> float:
-        """How often each of ``num_clients`` clients trains, on average, in ``rounds`` of the rounds."""
-        return (self.rounds if rounds is None else rounds) * self.clients_per_round / max(num_clients, 1)
+    def visits(self, num_clients: int) -> float:
+        """How often each of ``num_clients`` clients trains over the rounds, on average."""
+        return self.rounds * self.clients_per_round / max(num_clients, 1)
 
 
 # XLA:CPU's choice of the operations it hands to its YNNPACK library (all kinds by default in jaxlib 0.10).

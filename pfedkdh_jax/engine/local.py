@@ -204,7 +204,8 @@ def step_widths(samples, epochs: int, batch_size: int, granule: int | None,
 def compile_cost(steps: int) -> float:
     """What compiling a piece of ``steps`` unrolled local steps costs, in full-batch steps run: on
     the 2-core CPU (MNIST CNN, batch 64) one step compiled in 0.74 s and a chunk of 8 in 2.56 s,
-    while a full step ran in 17.4 ms: about 30 + 14·steps (BENCHMARKS.md, "Which widths compile")."""
+    while a full step ran in 17.4 ms: about 30 + 14·steps (BENCHMARKS.md, "Widths that pay, uploads
+    written in place, and the scaling benchmark")."""
     return 30.0 + 14.0 * steps
 
 

@@ -254,10 +254,11 @@ class _Rows:
     """Sequential clients' results ``[C]`` as one stacked pytree ``[C, ...]`` (``[R, C, ...]`` with
     repetitions, ``axis`` 1), written row by row, in place (donated), into a buffer made for the
     round (not reused: the server step may hand a leaf of it back as is, e.g. the clients' losses
-    in its metrics, which a later round must not overwrite). Stacking a list of C uploads inside the server step instead materialised a
-    second copy of them all and cost C times a dispatch argument per leaf: with 1,000 uploads of the
-    MNIST backbone (2.3 MB each), 1.5–3.4 s against 0.26 s for the rows written and averaged
-    (BENCHMARKS.md, "Uploads written in place")."""
+    in its metrics, which a later round must not overwrite). Stacking a list of C uploads inside the
+    server step instead materialised a second copy of them all and took C dispatch arguments per leaf:
+    with 1,000 uploads of the MNIST backbone (2.3 MB each), 1.5–3.4 s against 0.26 s for rows written
+    into a preallocated buffer and averaged (BENCHMARKS.md, "Widths that pay, uploads written in
+    place, and the scaling benchmark"; ``experiments/upload_rows.py``)."""
 
     def __init__(self, axis: int):
         self.axis = axis
