@@ -173,3 +173,20 @@ def test_a_synthetic_set_of_many_clients_runs_a_fixed_number_a_round(tmp_path, c
     config = json.loads((out / "config.json").read_text())
     assert config["per_round"] == 3 and config["dataset"] == "synthetic"
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_round_keeps_its_outputs_when_the_next_round_reuses_the_upload_buffer(tiny):
+    """Sequential uploads are written into one buffer that the next round overwrites in place: what a
+    round returned (FedAvg's metrics hand the clients' losses on as they came) keeps its values."""
+    _, _, data = tiny
+    algo = algorithms.build(make_config("smoke", method="fedavg", rounds=2), data.num_classes)
+    runner = RoundRunner(algo, data, Layout("sequential", "unrolled", chunk_steps=2))
+    state = algo.init(jax.random.key(0), data)
+    state, first = runner.round(state, data, np.array([0, 1]), jax.random.key(1))
+    kept = np.array(first["client_loss"])
+    buffer = runner._rows._buf
+    _, second = runner.round(state, data, np.array([2, 3]), jax.random.key(2))
+    jax.block_until_ready(second)
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(buffer))   # donated: written in place
+    np.testing.assert_array_equal(np.asarray(first["client_loss"]), kept)
+    assert not np.array_equal(np.asarray(second["client_loss"]), kept)

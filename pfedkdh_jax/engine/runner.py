@@ -235,9 +235,9 @@ class _ClientCalls:
         drive = lambda st, cx, dt, sel, c, k, plan=None: self._drive(  # noqa: E731
             self.start_one, False, self.finish_one, st, cx, dt, sel, c, k, plan)
         cols = range(clients.shape[-1])
-        if spread is None:
-            return [drive(state, ctx, data, place(jnp.asarray(clients[..., c], jnp.int32)), clients[..., c], key)
-                    for c in cols]
+        if spread is None:   # lazily: each result can be consumed (written into a buffer) as it comes
+            return (drive(state, ctx, data, place(jnp.asarray(clients[..., c], jnp.int32)), clients[..., c], key)
+                    for c in cols)
         plans = [self.calls(clients[..., c], data) for c in cols]
         where, order = spread.assign([self.plan_steps(p) for p in plans])
         copies = spread.copies(state, ctx, key)
@@ -252,16 +252,20 @@ class _ClientCalls:
 
 class _Rows:
     """Sequential clients' results ``[C]`` as one stacked pytree ``[C, ...]`` (``[R, C, ...]`` with
-    repetitions, ``axis`` 1), written row by row, in place (donated), into a buffer made for the
-    round (not reused: the server step may hand a leaf of it back as is, e.g. the clients' losses
-    in its metrics, which a later round must not overwrite). Stacking a list of C uploads inside the
-    server step instead materialised a second copy of them all and took C dispatch arguments per leaf:
-    with 1,000 uploads of the MNIST backbone (2.3 MB each), 1.5–3.4 s against 0.26 s for rows written
-    into a preallocated buffer and averaged (BENCHMARKS.md, "Widths that pay, uploads written in
-    place, and the scaling benchmark"; ``experiments/upload_rows.py``)."""
+    repetitions, ``axis`` 1), each written in place (donated) into one buffer as it comes, so that
+    at most one client's result exists besides the buffer. The buffer is kept for the next round of
+    the same shapes, which overwrites every row: allocating it afresh each round cost its page
+    faults (0.5–1.3 s for the 2.6 GB of 1,130 MNIST backbones). What the server step returns never
+    shares it (a jitted call's outputs are its own buffers, also those that hand an input leaf on, as
+    the clients' losses in the metrics: a test checks it). Stacking a list of C uploads inside
+    the server step instead materialised a second copy of them all and took C dispatch arguments per
+    leaf: with 1,000 uploads of the MNIST backbone (2.3 MB each), 1.5–3.4 s against 0.26 s for rows
+    written into a preallocated buffer and averaged (BENCHMARKS.md, "Widths that pay, uploads
+    written in place, and the scaling benchmark"; ``experiments/upload_rows.py``)."""
 
     def __init__(self, axis: int):
         self.axis = axis
+        self._buf, self._spec = None, None
         # a zero buffer shaped from one row (computed from it, so that it takes the row's sharding)
         self._empty = jax.jit(lambda row, n: jax.tree_util.tree_map(
             lambda r: jnp.repeat(jnp.expand_dims((r * 0).astype(r.dtype), axis), n, axis=axis), row),
@@ -269,10 +273,17 @@ class _Rows:
         self._put = jax.jit(lambda buf, row, c: jax.tree_util.tree_map(
             lambda b, r: jax.lax.dynamic_update_index_in_dim(b, r, c, axis), buf, row), donate_argnums=0)
 
-    def stack(self, rows: list):
-        buf = self._empty(rows[0], len(rows))
+    def stack(self, rows, n: int):
+        """The ``n`` results of the iterable ``rows`` stacked (every row written)."""
+        buf = None
         for c, row in enumerate(rows):
+            if buf is None:
+                spec = (jax.tree_util.tree_structure(row), n,
+                        tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree_util.tree_leaves(row)))
+                buf = self._buf if spec == self._spec else self._empty(row, n)
+                self._buf = None   # donated below: only the returned buffer is live
             buf = self._put(buf, row, np.int32(c))
+        self._buf, self._spec = buf, spec
         return buf
 
 
@@ -449,7 +460,7 @@ class RoundRunner:
             updates = self._clients.run_all(state, ctx, data, selected, key, self.place)
         else:
             updates = self._rows.stack(self._clients.run_each(state, ctx, data, selected, key, self.place,
-                                                              self.spread))
+                                                              self.spread), selected.shape[-1])
         return self._server(state, data, sel, updates, key)
 
     def prepare(self, state, data: FederatedData, key: jax.Array, algo: Algorithm | None = None):
@@ -521,7 +532,7 @@ class RoundRunner:
         if self.layout.client_parallel == "vmap":
             finals = self._personal.run_all(state, None, data, everyone, key, self.place)
         else:
-            finals = self._stack(self._personal.run_each(state, None, data, everyone, key, self.place, self.spread))
+            finals = self._stack(list(self._personal.run_each(state, None, data, everyone, key, self.place, self.spread)))
         params = finals.params if clients is None else spread_to_all(finals.params, clients, k, 0 if self.reps is None else 1)
         return self._personal_models(state, params)
 
