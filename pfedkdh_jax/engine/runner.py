@@ -41,7 +41,7 @@ from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
 from pfedkdh_jax.engine.layout import AUTO_GRANULE, Layout, Workload, local_training_compiler_options
-from pfedkdh_jax.engine.local import LocalState, LocalTrainer, paying_widths, step_widths, tree_stack, width_runs
+from pfedkdh_jax.engine.local import LocalState, LocalTrainer, paying_widths, step_widths, width_runs
 from pfedkdh_jax.engine.packing import make_packed_round
 from pfedkdh_jax.engine.round import LocalProblem, make_round, max_local_steps, select_clients
 from pfedkdh_jax.engine.sharding import leading_axis_sharding, per_device, replicated
@@ -263,13 +263,15 @@ class _Rows:
     written into a preallocated buffer and averaged (BENCHMARKS.md, "Widths that pay, uploads
     written in place, and the scaling benchmark"; ``experiments/upload_rows.py``)."""
 
-    def __init__(self, axis: int):
-        self.axis = axis
+    def __init__(self, axis: int, keep: bool = True):
+        # keep: hold the buffer for the next call (False: one made per call, for rare calls whose
+        # buffer should not stay in memory between them, e.g. the personalization of every client)
+        self.axis, self.keep = axis, keep
         self._buf, self._spec = None, None
-        # a zero buffer shaped from one row (computed from it, so that it takes the row's sharding)
+        # a buffer of n copies of one row (every row is overwritten; made from it, so that it takes
+        # the row's dtype, also a key's or a boolean's, and its sharding)
         self._empty = jax.jit(lambda row, n: jax.tree_util.tree_map(
-            lambda r: jnp.repeat(jnp.expand_dims((r * 0).astype(r.dtype), axis), n, axis=axis), row),
-            static_argnums=1)
+            lambda r: jnp.repeat(jnp.expand_dims(r, axis), n, axis=axis), row), static_argnums=1)
         self._put = jax.jit(lambda buf, row, c: jax.tree_util.tree_map(
             lambda b, r: jax.lax.dynamic_update_index_in_dim(b, r, c, axis), buf, row), donate_argnums=0)
 
@@ -283,7 +285,8 @@ class _Rows:
                 buf = self._buf if spec == self._spec else self._empty(row, n)
                 self._buf = None   # donated below: only the returned buffer is live
             buf = self._put(buf, row, np.int32(c))
-        self._buf, self._spec = buf, spec
+        if self.keep:
+            self._buf, self._spec = buf, spec
         return buf
 
 
@@ -382,7 +385,7 @@ class RoundRunner:
         self._server = compiled("server_update", lambda a: a.server_update, (0, d, 0, 0, 0))
         # sequential clients: each one's upload written in place into one [C, ...] buffer as it comes
         self._rows = _Rows(axis=0 if reps is None else 1)
-        self._stack = jax.jit(lambda xs: tree_stack(xs, axis=0 if reps is None else 1))
+        self._personal_rows = _Rows(axis=0 if reps is None else 1, keep=False)
 
         def fused(a):
             def round_(state, data, selected, key):
@@ -532,7 +535,8 @@ class RoundRunner:
         if self.layout.client_parallel == "vmap":
             finals = self._personal.run_all(state, None, data, everyone, key, self.place)
         else:
-            finals = self._stack(list(self._personal.run_each(state, None, data, everyone, key, self.place, self.spread)))
+            finals = self._personal_rows.stack(self._personal.run_each(state, None, data, everyone, key, self.place,
+                                                                       self.spread), everyone.shape[-1])
         params = finals.params if clients is None else spread_to_all(finals.params, clients, k, 0 if self.reps is None else 1)
         return self._personal_models(state, params)
 
