@@ -25,6 +25,7 @@ from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate
 from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
+from pfedkdh_jax.engine.sharding import per_device
 
 PyTree = Any
 
@@ -87,11 +88,14 @@ class RoundPieces:
     ``trace_scan``: the step loop was left to the backend; called inside a trace (a user's ``jit``,
     ``vmap`` or ``scan``), the round then takes its steps in a ``lax.scan`` whatever the backend's
     host-loop default (unrolled chunks on a CPU would unroll every local step into the user's program).
+    ``client_mesh``: a device mesh over which the selected clients are split (each device trains its
+    slice, ``jax.shard_map``) when their count divides evenly; ``None``: no split.
     """
 
     algo: Algorithm
     layout: Layout
     trace_scan: bool = False
+    client_mesh: Any = None
 
     @property
     def problem(self) -> LocalProblem:
@@ -100,9 +104,14 @@ class RoundPieces:
 
     def updates(self, state, data: FederatedData, selected: jax.Array, key: jax.Array) -> ClientUpdate:
         """Every selected client's :class:`ClientUpdate`, stacked ``[C, ...]``."""
-        p = self.problem
-        return p.clients(state, self.algo.context(state), data, selected, key, p.max_steps(data),
-                         self.layout.client_parallel)
+        p, mesh = self.problem, self.client_mesh
+
+        def train(state, data, selected, key):
+            return p.clients(state, self.algo.context(state), data, selected, key, p.max_steps(data),
+                             self.layout.client_parallel)
+        if mesh is not None and mesh.size > 1 and selected.shape[0] % mesh.size == 0:
+            train = per_device(train, mesh, (None, None, 0, None))
+        return train(state, data, selected, key)
 
     def __call__(self, state, data: FederatedData, selected: jax.Array, key: jax.Array):
         """One round: ``(state, data, selected [C], key) -> (state, metrics)``."""

@@ -29,6 +29,7 @@ runner per phase of a method of several phases (FedFed) and enters each phase at
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from typing import Any
 
@@ -387,13 +388,8 @@ class RoundRunner:
         self._rows = _Rows(axis=0 if reps is None else 1)
         self._personal_rows = _Rows(axis=0 if reps is None else 1, keep=False)
 
-        def fused(a):
-            def round_(state, data, selected, key):
-                updates = make_round(a, layout).updates
-                if shard_clients and selected.shape[0] % mesh.size == 0:
-                    updates = per_device(updates, mesh, (None, None, 0, None))
-                return a.server_update(state, data, selected, updates(state, data, selected, key), key)
-            return round_
+        def fused(a):   # the round itself (make_round's), its clients split over the mesh's devices
+            return dataclasses.replace(make_round(a, layout), client_mesh=mesh if shard_clients else None)
         if layout.lanes is None:
             self._fused = compiled("round", fused, (0, d, 0, 0), steps=True)
         else:
