@@ -1,6 +1,7 @@
 """pfedkdh_jax as building blocks (issue 23): a user's model, optimizer and data, every method by
 name, and the pure pieces inside a user's own ``jit`` / ``lax.scan``."""
 
+import dataclasses
 import importlib.metadata
 import pathlib
 
@@ -188,3 +189,17 @@ def test_the_engine_imports_no_method_and_one_version():
     engine = pathlib.Path(p.__file__).parent / "engine"
     assert not [f.name for f in engine.glob("*.py") if "algorithms" in f.read_text()]
     assert p.__version__ == importlib.metadata.version("pfedkdh_jax")
+
+
+def test_the_run_config_takes_pfedkdh_options_and_defaults_from_its_config():
+    """One source: every pFedKDH run option is a RunConfig field whose default is PFedKDHConfig's, and a
+    RunConfig becomes the method's config field by field."""
+    from pfedkdh_jax.algorithms import PFEDKDH_OPTIONS
+    from pfedkdh_jax.run.config import RunConfig
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    assert set(PFEDKDH_OPTIONS) <= set(fields)
+    kdh = p.PFedKDHConfig()
+    assert {n: fields[n].default for n in PFEDKDH_OPTIONS} == {n: getattr(kdh, n) for n in PFEDKDH_OPTIONS}
+    cfg = p.make_config(lam=0.3, kd_gate="confidence")
+    algo = p.build_algorithm(cfg, 10)
+    assert (algo.config.lam, algo.config.kd_gate, algo.config.mu) == (0.3, "confidence", kdh.mu)

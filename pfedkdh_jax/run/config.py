@@ -21,6 +21,9 @@ PRESETS = ("default", "paper", "smoke")
 PAPER_SCHEDULE = {"mnist": (50, 2), "fashion_mnist": (50, 2), "cifar10": (50, 3), "cifar100": (70, 5)}
 
 
+_KDH = PFedKDHConfig()   # the defaults of pFedKDH's run options
+
+
 class ConfigError(ValueError):
     """An invalid option; the message is one line naming the option and the allowed values."""
 
@@ -60,25 +63,25 @@ class RunConfig:
     momentum: float | None = None      # with --optimizer momentum (None: 0.9)
     weight_decay: float | None = None  # L2 added to the gradient (sgd, momentum, adam) or AdamW's decoupled
                                        # decay (None: 0, AdamW 1e-4)
+    dropout: float = 0.0               # backbone dropout rate (the model's, every method)
     seed: int = 0                      # model init, client sampling, batch order and dropout
     reps: int = 1                      # Monte Carlo repetitions, seeds seed, seed+1, ...
     reps_mode: str = "auto"            # vmap (one program) | sequential | auto (sequential on CPU)
-    # --- pFedKDH (defaults from experiments/sweep_hparams.py, scored on validation data; their
-    # meaning and checks: pfedkdh_jax.algorithms.configs.PFedKDHConfig, the one source)
-    lam: float = 0.0                   # λ, distillation weight (validation sweep: 0 scored best; see SWEEP.md)
-    temperature: float = 4.0           # T
-    mu: float = 0.01                   # μ, proximal weight
-    dropout: float = 0.0               # backbone dropout rate
-    teacher_epochs: int = 3            # teacher-head refit epochs over D_s after each aggregation
-    teacher_warm_start: bool = True    # refit from current φ_g (False: from φ_g⁰)
-    teacher_refit_at_start: bool = False  # refit φ_g on D_s once before round 0
-    persistent_heads: bool = True      # False (ablation): heads averaged like the backbone, every client gets the average
-    warmup_epochs: int = 0             # E_w: train θ_g, φ_g on D_s before round 0 (0 = off, as the paper)
-    ea_steps: int = 20                 # pFedKDH-EA head-only steps (0 = no EA evaluation)
-    ea_lr: float | None = None         # pFedKDH-EA learning rate (None: --lr)
-    ea_epochs: int = 0                 # > 0: EA takes this many epochs over the client's train split instead of --ea-steps
-    kd_target: str = "plain"           # distilled teacher distribution: plain | support | prior (algorithms.KD_TARGETS)
-    kd_gate: str = "none"              # per-sample trust in the teacher: none | confidence | correct | better | adaptive
+    # --- pFedKDH: run flags of the command line. Their defaults, meaning and checks live in one place,
+    # pfedkdh_jax.algorithms.configs.PFedKDHConfig (λ, T, μ, EA scored on validation data: SWEEP.md)
+    lam: float = _KDH.lam
+    temperature: float = _KDH.temperature
+    mu: float = _KDH.mu
+    teacher_epochs: int = _KDH.teacher_epochs
+    teacher_warm_start: bool = _KDH.teacher_warm_start
+    teacher_refit_at_start: bool = _KDH.teacher_refit_at_start
+    persistent_heads: bool = _KDH.persistent_heads
+    warmup_epochs: int = _KDH.warmup_epochs
+    ea_steps: int = _KDH.ea_steps
+    ea_lr: float | None = _KDH.ea_lr
+    ea_epochs: int = _KDH.ea_epochs
+    kd_target: str = _KDH.kd_target
+    kd_gate: str = _KDH.kd_gate
     # --- evaluation
     eval_every: int = 1                # Fair evaluation of all clients every N rounds (and the last)
     eval_clients: int = 0              # > 0: evaluations score this fixed random subset of the clients
