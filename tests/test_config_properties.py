@@ -42,6 +42,7 @@ INVALID = {
     "--synthetic-samples": (st.integers(max_value=1), "--synthetic-samples"),
     "--slot-granule": (st.one_of(st.integers(max_value=-1), st.sampled_from(["8.5", "eight", "Auto"])),
                        "--slot-granule"),
+    "--fused-steps": (st.one_of(st.integers(max_value=-1), st.sampled_from(["2.5", "two", "AUTO"])), "--fused-steps"),
 }
 
 

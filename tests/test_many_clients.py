@@ -58,6 +58,44 @@ def test_a_runner_told_a_short_run_compiles_no_narrow_width(tiny):
         runner = RoundRunner(algo, data, layout, workload=workload)
         runner.round(algo.init(jax.random.key(0), data), data, np.array([0, 1]), jax.random.key(1))
         assert any("@" in k for k in runner.traces) == narrows, runner.traces
+        # the clients of a long run (2 steps each) also run as one call each (Layout.fused_steps auto)
+        assert any(k.startswith("client_whole@") for k in runner.traces) == narrows, runner.traces
+
+
+@pytest.mark.parametrize("name", ["pfedkdh", pytest.param("fedbabu", marks=pytest.mark.slow)])
+def test_clients_of_a_few_steps_as_one_call_compute_the_pieces_round(tiny, name):
+    """With fused_steps, a client whose plan has at most that many steps runs start to finish in one
+    call, one compiled per plan (named by its widths): the rounds (and a personalization on images,
+    FedBABU's fine-tuning) agree with the piece-by-piece ones to float32 rounding, nothing retraces,
+    and a plan longer than fused_steps still runs in pieces."""
+    _, _, data = tiny
+    cfg = (make_config("smoke", method=name, local_epochs=2, rounds=2) if name == "pfedkdh" else
+           make_config("smoke", method=name, local_epochs=2, rounds=2, method_args=(("finetune_epochs", "1"),)))
+    algo = algorithms.build(cfg, data.num_classes)
+    results = []
+    for fused in (0, 8, 1):
+        runner = RoundRunner(algo, data, Layout("sequential", "unrolled", chunk_steps=2, slot_granule=8,
+                                                fused_steps=fused))
+        state = algo.init(jax.random.key(0), data)
+        for t, sel in enumerate([np.array([0, 1]), np.array([2, 3]), np.array([0, 3])]):
+            state, metrics = runner.round(state, data, sel, jax.random.key(10 + t))
+        ev = runner.evaluate(state, data, jax.random.key(5), personalize=True)
+        results.append((state, metrics, ev))
+        whole = {k for k in runner.traces if "client_whole@" in k}
+        assert all(v == 1 for v in runner.traces.values()), runner.traces
+        sizes = {slot_width(int(n), 64) for n in np.asarray(data.train_n)}   # each client: 2 steps of its width
+        if fused == 8:
+            assert {k for k in whole if k.startswith("client_whole@")} == {f"client_whole@{w}x2" for w in sizes}
+            assert not any(k.startswith("train_") for k in runner.traces), runner.traces
+            if name == "fedbabu":   # the fine-tuning of every client: its own one-call pieces
+                assert any(k.startswith("personalize_client_whole@") for k in whole), runner.traces
+        elif fused == 1:        # the round's plans have 2 steps, over the limit (a 1-epoch fine-tuning has 1)
+            assert not any(k.startswith("client_whole@") for k in whole), runner.traces
+        else:
+            assert not whole
+    for other in results[1:]:
+        for a, b in zip(jax.tree_util.tree_leaves(results[0]), jax.tree_util.tree_leaves(other)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["pfedkdh", pytest.param("fedavg", marks=pytest.mark.slow)])
@@ -145,18 +183,20 @@ def test_an_evaluation_of_some_clients_scores_them_as_the_full_evaluation_does(t
 @pytest.mark.slow   # 12 methods × their compiles (~4 min); the default run covers the paths with pFedKDH
 @pytest.mark.parametrize("name", list(algorithms.METHODS))
 def test_every_method_runs_many_small_clients_scoring_some(name, tmp_path, capsys):
-    """100 clients of ~11 train samples on the digits set, 5 a round, 10 scored: narrow steps and
-    the evaluation view under every method."""
+    """100 clients of ~11 train samples on the digits set, 5 a round, 10 scored: narrow steps, clients
+    of a few steps as one call each, and the evaluation view under every method (a smoke run of 2
+    rounds would not pay for the narrow pieces: the granule and the fused steps are given)."""
     import json
 
     from pfedkdh_jax.run import cli
     out = tmp_path / name
     rc = cli.main(["run", "--method", name, "--preset", "smoke", "--clients", "100", "--participation", "0.05",
-                   "--min-client-samples", "5", "--eval-clients", "10", "--out", str(out), "--no-progress"])
+                   "--min-client-samples", "5", "--eval-clients", "10", "--slot-granule", "8", "--fused-steps", "8",
+                   "--out", str(out), "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and 0.0 <= summary["personalized_macro_accuracy"] <= 1.0
-    assert any("@" in k for k in summary["traces"]), summary["traces"]   # narrow steps ran
+    assert any("client_whole@" in k for k in summary["traces"]), summary["traces"]   # one-call clients ran
 
 
 def test_a_synthetic_set_of_many_clients_runs_a_fixed_number_a_round(tmp_path, capsys):

@@ -22,6 +22,13 @@
   that, as told by the runner's :class:`Workload` (:func:`pfedkdh_jax.engine.local.paying_widths`):
   a short run computes full batches, a long run of many small clients narrows them all; a runner
   told no workload computes full batches. An integer narrows every width it gives.
+* ``fused_steps``: in the sequential host plan, a client of at most this many local steps runs from
+  start to finish (its start, every step, its finish) as one compiled call, made once per step plan
+  (the widths of its steps), instead of a call per piece: what a round of thousands of clients of a
+  handful of samples costs is then mostly their steps, not the host's calls between them.
+  ``"auto"`` (the default): up to ``chunk_steps`` steps, for the plans whose saving over the run pays
+  their compile (:func:`pfedkdh_jax.engine.local.fused_plan_pays`, told by the :class:`Workload`);
+  an integer: every plan of at most that many steps; ``0``: none.
 
 On XLA:CPU a convolution inside a while loop is ~15–20× slower than the same steps unrolled, so the CPU
 default is sequential + unrolled; on GPU/TPU the default is vmap + scan, one compiled call per round.
@@ -54,6 +61,8 @@ class Layout:
     slot_granule: int | str | None = "auto"  # host plans: a step computes its batch's size rounded
                                          # up to this multiple; None: a full batch every step; "auto":
                                          # AUTO_GRANULE for the widths that pay (with a Workload)
+    fused_steps: int | str = "auto"      # sequential clients of at most this many steps: one compiled call
+                                         # each; "auto": the plans that pay (with a Workload); 0: none
 
     def resolved(self, backend: str | None = None) -> "Layout":
         backend = backend or jax.default_backend()
@@ -80,6 +89,9 @@ class Layout:
         if cfg.slot_granule is not None and cfg.slot_granule != "auto" and (
                 not isinstance(cfg.slot_granule, int) or cfg.slot_granule < 1):
             raise ValueError(f"slot_granule must be 'auto', an int >= 1 or None, got {cfg.slot_granule!r}")
+        if cfg.fused_steps != "auto" and (not isinstance(cfg.fused_steps, int) or isinstance(cfg.fused_steps, bool)
+                                          or cfg.fused_steps < 0):
+            raise ValueError(f"fused_steps must be 'auto' or an int >= 0, got {cfg.fused_steps!r}")
         if cfg.lanes is not None:
             if cfg.lanes < 1:
                 raise ValueError(f"lanes must be >= 1, got {cfg.lanes}")

@@ -42,7 +42,8 @@ from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
 from pfedkdh_jax.engine.layout import AUTO_GRANULE, Layout, Workload, local_training_compiler_options
-from pfedkdh_jax.engine.local import LocalState, LocalTrainer, paying_widths, step_widths, width_runs
+from pfedkdh_jax.engine.local import (LocalState, LocalTrainer, fused_plan_pays, paying_widths, step_widths,
+                                      width_runs)
 from pfedkdh_jax.engine.packing import make_packed_round
 from pfedkdh_jax.engine.round import LocalProblem, make_round, max_local_steps, select_clients
 from pfedkdh_jax.engine.sharding import leading_axis_sharding, per_device, replicated
@@ -92,6 +93,25 @@ class _ClientCalls:
                                   (0, d, 0, 0))
         ctx_axes = (0, 0, d, 0)
         self._make = (compiled, train_of, ctx_axes, prefix)
+
+        def whole_of(plan):   # one client from start to finish in one program: its steps as ``plan`` says
+            def make(a):
+                problem = problem_of(a)
+
+                def one(state, ctx, data, sel, key):
+                    local = problem.start(state, data, sel, key)
+                    for width, count in plan:
+                        local = (problem if width is None else problem.narrowed(width)).train(local, ctx, data, sel, count)
+                    return local if problem.finish is None else problem.finish(state, data, sel, local, key)
+                return one
+            return make
+        def tag(plan):   # client_whole@4x2: two steps on 4 slots (64x1: one full batch of 64)
+            b = host_problem.trainer.batch_size
+            return "+".join(f"{w or b}x{n}" for w, n in plan)
+        self._whole_of = lambda plan: compiled(f"{prefix}client_whole@{tag(plan)}", whole_of(plan), (0, 0, d, 0, 0),
+                                               steps=True)
+        self._wholes: dict[tuple, Any] = {}   # a step plan -> its one-call client (made when first met)
+        self._fused: dict[int, tuple] = {}    # id(train_n) -> (train_n, the plans run as one call)
         self._narrow: dict[tuple[int, bool], tuple] = {}   # (width, vmapped) -> (chunk, single step)
         self._warmed: set = set()                            # (id(train_n), vmapped) already warmed
         self._plans: dict[tuple, list] = {}                  # (kept widths, one client's size) -> its plan
@@ -179,25 +199,63 @@ class _ClientCalls:
                 compiled(f"{prefix}train_step{tag}", train_of(1, vmapped, width), axes, steps=True))
         return self._narrow[width, vmapped]
 
-    def _warm(self, vmapped: bool, data: FederatedData, args: tuple) -> None:
+    def _fused_plans(self, data: FederatedData) -> frozenset:
+        """The step plans of one client that run as one compiled call (``Layout.fused_steps``): those
+        of at most ``fused_steps`` steps (``"auto"``: ``chunk_steps``, and only plans whose clients'
+        visits over the run pay the call's compile, :func:`~pfedkdh_jax.engine.local.fused_plan_pays`;
+        none when the runner was told no workload). Found once per data object."""
+        limit = self.layout.fused_steps
+        if self.layout.step_loop == "scan" or not limit or (limit == "auto" and self.visits is None):
+            return frozenset()
+        cached = self._fused.get(id(data.train_n))
+        if cached is None or cached[0] is not data.train_n:
+            sizes, counts = np.unique(self._host_sizes(data), return_counts=True)
+            kept, clients = self._kept_widths(data), collections.Counter()
+            for n, count in zip(sizes, counts):
+                clients[tuple(self._size_plan(int(n), kept))] += int(count)
+            most = self.layout.chunk_steps if limit == "auto" else limit
+            plans = frozenset(plan for plan, count in clients.items()
+                              if 0 < self.plan_steps(plan) <= most
+                              and (limit != "auto" or fused_plan_pays(count * self.visits, self.plan_steps(plan))))
+            cached = self._fused[id(data.train_n)] = (data.train_n, plans)
+        return cached[1]
+
+    def _whole(self, plan, data: FederatedData):
+        """The one-call client of ``plan`` where it is one of ``data``'s fused plans, else ``None``."""
+        if plan is None or tuple(plan) not in self._fused_plans(data):
+            return None
+        plan = tuple(plan)
+        if plan not in self._wholes:
+            self._wholes[plan] = self._whole_of(plan)
+        return self._wholes[plan]
+
+    def _warm(self, vmapped: bool, data: FederatedData, start, state, ctx, sel, key) -> None:
         """Compile, at the first call on ``data``, the step pieces of every width its clients' plans
-        use (found from their sizes, each run once on ``args`` and discarded), so that widths met
-        later do not compile inside later rounds: the compile time moves to the first round, and
-        round times stay comparable from the second on."""
+        use and its one-call clients (found from their sizes, each run once on this client's values
+        and discarded), so that what later clients meet does not compile inside later rounds: the
+        compile time moves to the first round, and round times stay comparable from the second on."""
         tag = (id(data.train_n), vmapped)
         if self.layout.step_loop == "scan" or tag in self._warmed:
             return
         self._warmed.add(tag)
         chunk, kept = self.layout.chunk_steps, self._kept_widths(data)
-        needed = set()
+        needed, wholes = set(), set()
         for n in np.unique(self._host_sizes(data)):
-            for width, count in self._size_plan(int(n), kept):
+            plan = self._size_plan(int(n), kept)
+            if not vmapped and self._whole(plan, data) is not None:
+                wholes.add(tuple(plan))
+                continue
+            for width, count in plan:
                 if count >= chunk:
                     needed.add((width is not None, width or 0, 0))
                 if count % chunk:
                     needed.add((width is not None, width or 0, 1))
-        for narrow, width, single in sorted(needed):
-            self._steps(width if narrow else None, vmapped)[single](*args)
+        for plan in sorted(wholes, key=str):
+            self._whole(plan, data)(state, ctx, data, sel, key)
+        if needed:
+            local = start(state, data, sel, key)
+            for narrow, width, single in sorted(needed):
+                self._steps(width if narrow else None, vmapped)[single](local, ctx, data, sel)
 
     def _host_sizes(self, data: FederatedData) -> np.ndarray:
         """``data.train_n`` on the host, read once per data object (not once per client and round)."""
@@ -208,10 +266,14 @@ class _ClientCalls:
 
     def _drive(self, start, vmapped, finish, state, ctx, data, sel, clients, key, plan=None):
         """One plan for both layouts: start, the steps of each width (whole chunks, then single
-        steps), finish (``plan``: :meth:`calls` of ``clients``, if already made)."""
-        local = start(state, data, sel, key)
-        self._warm(vmapped, data, (local, ctx, data, sel))
+        steps), finish (``plan``: :meth:`calls` of ``clients``, if already made); a sequential
+        client of a fused plan (:meth:`_fused_plans`) in one call."""
+        self._warm(vmapped, data, start, state, ctx, sel, key)
         plan = self.calls(clients, data) if plan is None else plan
+        whole = None if vmapped else self._whole(plan, data)
+        if whole is not None:   # a client of a few steps: one call from start to finish
+            return whole(state, ctx, data, sel, key)
+        local = start(state, data, sel, key)
         if plan is None:   # a scan: one call takes every step
             local = self._steps(None, vmapped)[0](local, ctx, data, sel)
         else:
@@ -237,7 +299,9 @@ class _ClientCalls:
             self.start_one, False, self.finish_one, st, cx, dt, sel, c, k, plan)
         cols = range(clients.shape[-1])
         if spread is None:   # lazily: each result can be consumed (written into a buffer) as it comes
-            return (drive(state, ctx, data, place(jnp.asarray(clients[..., c], jnp.int32)), clients[..., c], key)
+            # a client's index goes in as a host array: the call's own transfer, where a device_put
+            # of its own cost about 0.5 ms a client (with thousands of tiny clients a round, a tenth of it)
+            return (drive(state, ctx, data, place(np.asarray(clients[..., c], np.int32)), clients[..., c], key)
                     for c in cols)
         plans = [self.calls(clients[..., c], data) for c in cols]
         where, order = spread.assign([self.plan_steps(p) for p in plans])
@@ -246,7 +310,7 @@ class _ClientCalls:
         outs = [None] * len(plans)
         for c in order:   # longest first; each device's calls queue up behind one another
             i = where[c]
-            (st, cx, k), sel = copies[i], jax.device_put(np.asarray(clients[..., c], np.int32), spread.devices[i])
+            (st, cx, k), sel = copies[i], np.asarray(clients[..., c], np.int32)   # placed by the state
             outs[c] = drive(st, cx, datas[i], sel, clients[..., c], k, plans[c])
         return [o if where[c] == 0 else jax.device_put(o, spread.devices[0]) for c, o in enumerate(outs)]
 

@@ -72,6 +72,9 @@ _FLAGS = [
     ("--slot-granule", "slot_granule", str, "unrolled steps compute their batch's size rounded up to this multiple "
                                             "(exactly below it); 0: a full batch every step; auto (default): 8, "
                                             "only for the widths whose saving over the run pays their compile"),
+    ("--fused-steps", "fused_steps", str, "sequential clients of at most this many local steps run start to "
+                                          "finish as one compiled call; 0: never; auto (default): up to "
+                                          "--chunk-steps, for the step plans whose saving over the run pays"),
     ("--lanes", "lanes", int, "pack each round's (repetition, client) local work into this many lanes "
                               "(needs --client-parallel vmap --step-loop scan; default: off)"),
     ("--client-devices", "client_devices", int, "spread sequential clients over this many local devices "

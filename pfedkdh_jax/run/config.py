@@ -93,6 +93,8 @@ class RunConfig:
     slot_granule: int | str = "auto"   # unrolled steps compute their batch's size rounded up to this
                                        # multiple, exactly below it (0: a full batch every step; auto:
                                        # 8, for the widths whose saving over the run pays their compile)
+    fused_steps: int | str = "auto"    # sequential clients of at most this many steps run as one compiled
+                                       # call (0: never; auto: up to --chunk-steps, the plans that pay)
     lanes: int | None = None           # pack each round's local work into this many lanes (vmap + scan)
     client_devices: int | None = None  # sequential clients spread over this many local devices (None: all;
                                        # the CLI makes one XLA:CPU device per core, up to 2)
@@ -116,7 +118,7 @@ class RunConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-def _granule_ok(value) -> bool:
+def _auto_or_count(value) -> bool:
     if value == "auto":
         return True
     try:
@@ -130,6 +132,11 @@ def slot_granule(cfg: RunConfig) -> int | str | None:
     if cfg.slot_granule == "auto":
         return "auto"
     return int(cfg.slot_granule) or None
+
+
+def fused_steps(cfg: RunConfig) -> int | str:
+    """``--fused-steps`` as ``Layout.fused_steps``: ``"auto"`` or a step count (0: none)."""
+    return "auto" if cfg.fused_steps == "auto" else int(cfg.fused_steps)
 
 
 def preset(name: str, dataset: str) -> dict[str, Any]:
@@ -240,8 +247,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.step_loop in (None, "scan", "unrolled"),
            f"--step-loop must be scan or unrolled; got {cfg.step_loop!r}")
     _check(cfg.chunk_steps >= 1, f"--chunk-steps must be >= 1; got {cfg.chunk_steps}")
-    _check(_granule_ok(cfg.slot_granule),
+    _check(_auto_or_count(cfg.slot_granule),
            f"--slot-granule must be auto or an integer >= 0 (0: a full batch every step); got {cfg.slot_granule!r}")
+    _check(_auto_or_count(cfg.fused_steps),
+           f"--fused-steps must be auto or an integer >= 0 (0: never); got {cfg.fused_steps!r}")
     _check(cfg.client_devices is None or cfg.client_devices >= 1,
            f"--client-devices must be >= 1; got {cfg.client_devices}")
     _check(cfg.lanes is None or cfg.lanes >= 1, f"--lanes must be >= 1; got {cfg.lanes}")

@@ -32,7 +32,7 @@ from pfedkdh_jax.engine.local import tree_stack
 from pfedkdh_jax.engine.runner import PhasedRunner, sample_schedule
 from pfedkdh_jax.run.checkpoint import CheckpointError, Checkpoints, fingerprint
 from pfedkdh_jax.run.lock import locked
-from pfedkdh_jax.run.config import ConfigError, RunConfig, slot_granule, validate
+from pfedkdh_jax.run.config import ConfigError, RunConfig, fused_steps, slot_granule, validate
 from pfedkdh_jax.run import preflight, records
 
 
@@ -539,7 +539,7 @@ def engine_layout(cfg: RunConfig) -> Layout:
     line (ConfigError)."""
     try:
         layout = Layout(cfg.client_parallel, cfg.step_loop, cfg.chunk_steps, client_devices=cfg.client_devices,
-                        slot_granule=slot_granule(cfg)).resolved()
+                        slot_granule=slot_granule(cfg), fused_steps=fused_steps(cfg)).resolved()
     except ValueError as e:   # --client-devices beyond the local devices, or without sequential clients
         raise ConfigError(f"--client-devices: {e}") from None
     try:
