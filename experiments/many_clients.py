@@ -7,7 +7,7 @@ seed 0, paper preset: E = 2, batch 64, lr 0.015, no evaluation) and **the same s
 every round**, so they do the same steps (each client 2·ceil(n/64), the last batch partial, no
 client skipped). Three sides take turns a round at a time: PyTorch, the engine as a long run runs it
 (steps of a client under a batch compute its size rounded up to 8 slots: ``--slot-granule 8``; a
-client of at most 8 steps is one compiled call: ``--fused-steps 8``), and the engine computing a
+client under one batch, two steps, is one compiled call: ``--fused-steps 2``), and the engine computing a
 full batch every step, piece by piece (``--slot-granule 0 --fused-steps 0``, the form before). Reported per
 K: the median round time of each and the ratios, and the share of computed batch slots that hold a
 real sample (sample-passes ÷ computed slots, counted on the host from the partition).
@@ -90,7 +90,7 @@ def main() -> None:
         for side, granule in (("jax", 8), ("jax_full", 0)):
             if side not in wanted:
                 continue
-            layout = engine_layout(dataclasses.replace(cfg, slot_granule=granule, fused_steps=8 if granule else 0))
+            layout = engine_layout(dataclasses.replace(cfg, slot_granule=granule, fused_steps=2 if granule else 0))
             algo = make_algorithm(cfg, pool.num_classes, resolved_conv_form(cfg, layout, batched=False))
             runner = RoundRunner(algo, data, layout)
             box = {"state": algo.init(jax.random.key(0), data), "t": 0}

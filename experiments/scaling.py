@@ -3,8 +3,8 @@ BENCHMARKS.md, "Scaling with clients").
 
 Every point is one ``pfedkdh run`` in a child process (so its peak memory is its own): MNIST α = 0.5,
 paper preset (E = 2, batch 64, lr 0.015), data seed 0, ``--min-client-samples 5``, ``--slot-granule 8``
-and ``--fused-steps 8`` (every narrow width, and every client of at most 8 steps as one call, as a long
-run's auto takes them), a few rounds, one
+and ``--fused-steps 2`` (every narrow width, and every client under one batch, two steps, as one call:
+what a 50-round run's auto takes at K = 10,000, where a few rounds would not pay them), a few rounds, one
 evaluation of every client at the end (``--eval-every`` = the rounds; pFedKDH's EA with it). Two sweeps:
 
 * **K at a fixed number of selected samples a round**: K ∈ {20, 100, 1,000, 10,000} on MNIST (and
@@ -66,7 +66,7 @@ def run_point(method: str, dataset: str, k: int, c: int, rounds: int, data_dir: 
                 "--rounds", str(rounds), "--eval-every", str(rounds), "--ea-every", str(rounds),
                 "--checkpoint-every", "0", "--out", out, "--no-progress",
                 # the form a long run takes (auto would judge a few rounds too short to pay the widths' compiles)
-                "--slot-granule", "8", "--fused-steps", "8", *extra]
+                "--slot-granule", "8", "--fused-steps", "2", *extra]
         if data_dir:
             args += ["--data-dir", data_dir]
         if synthetic:

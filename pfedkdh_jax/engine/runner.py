@@ -299,9 +299,7 @@ class _ClientCalls:
             self.start_one, False, self.finish_one, st, cx, dt, sel, c, k, plan)
         cols = range(clients.shape[-1])
         if spread is None:   # lazily: each result can be consumed (written into a buffer) as it comes
-            # a client's index goes in as a host array: the call's own transfer, where a device_put
-            # of its own cost about 0.5 ms a client (with thousands of tiny clients a round, a tenth of it)
-            return (drive(state, ctx, data, place(np.asarray(clients[..., c], np.int32)), clients[..., c], key)
+            return (drive(state, ctx, data, place(jnp.asarray(clients[..., c], jnp.int32)), clients[..., c], key)
                     for c in cols)
         plans = [self.calls(clients[..., c], data) for c in cols]
         where, order = spread.assign([self.plan_steps(p) for p in plans])
@@ -310,7 +308,7 @@ class _ClientCalls:
         outs = [None] * len(plans)
         for c in order:   # longest first; each device's calls queue up behind one another
             i = where[c]
-            (st, cx, k), sel = copies[i], np.asarray(clients[..., c], np.int32)   # placed by the state
+            (st, cx, k), sel = copies[i], jax.device_put(np.asarray(clients[..., c], np.int32), spread.devices[i])
             outs[c] = drive(st, cx, datas[i], sel, clients[..., c], k, plans[c])
         return [o if where[c] == 0 else jax.device_put(o, spread.devices[0]) for c, o in enumerate(outs)]
 
@@ -552,8 +550,14 @@ class RoundRunner:
 
     def _pin(self, state):
         """On a mesh without a sharded repetition axis, keep the state replicated, so every round
-        sees the same input sharding (and nothing recompiles after the first)."""
-        if self.mesh is None or self.rep_sharding is not None or self.mesh.size == 1:
+        sees the same input sharding (and nothing recompiles after the first). Off a mesh, commit
+        the leaves of a state not yet committed to a device (a fresh ``init``'s) to the device they
+        are on: a round's outputs are committed, and the pieces compiled for the first round's
+        uncommitted state would otherwise compile again at the second."""
+        if self.mesh is None:
+            return jax.tree_util.tree_map(
+                lambda x: x if getattr(x, "committed", True) else jax.device_put(x, next(iter(x.devices()))), state)
+        if self.rep_sharding is not None or self.mesh.size == 1:
             return state
         return jax.device_put(state, replicated(self.mesh))
 
