@@ -8,7 +8,8 @@ synchronisation:
 * ``vmap`` + ``unrolled``: start all selected clients, call a compiled chunk of ``chunk_steps`` steps
   as often as the largest selected client needs (its last steps one at a time), finish them, update;
 * ``sequential``: the same client by client, with one compiled function per piece reused by every
-  client, then the updates stacked for the server; with ``client_devices`` > 1 (and no mesh) the
+  client (a client of a few steps in one call, ``Layout.fused_steps``), then the updates stacked for
+  the server; with ``client_devices`` > 1 (and no mesh) the
   clients are spread over that many local devices, which work at the same time (:class:`_Spread`);
 * ``vmap`` + ``scan`` with ``lanes``: one compiled call whose local work, of every repetition at once,
   is packed into lanes (:mod:`pfedkdh_jax.engine.packing`).
