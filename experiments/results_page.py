@@ -160,8 +160,8 @@ def ranking_reading(res: dict) -> str:
         ours = sorted(rows, key=lambda r: (-res["cells"][(r, col)]["value"], r))
         theirs = sorted(rows, key=lambda r: (-paper(res, r, col)[0], r))
         parts.append(f"{col_name(col)} the paper's order ({len(rows)} rows)" if ours == theirs else
-                     f"{col_name(col)} differs (the paper's best of these {len(rows)}, {LABEL[theirs[0]]}, "
-                     f"is no. {ours.index(theirs[0]) + 1} here)")
+                     f"{col_name(col)} differs (here {' > '.join(LABEL[r] for r in ours)}; the paper's "
+                     f"{' > '.join(LABEL[r] for r in theirs)})")
     return "; ".join(parts) if parts else "no Table 2 column has two filled rows yet"
 
 
