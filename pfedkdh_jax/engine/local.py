@@ -210,8 +210,10 @@ def compile_cost(steps: int) -> float:
 
 
 # What running a client of a few steps as one compiled call saves a visit, in full-batch steps: the
-# calls between its pieces (start, each run of steps, finish), measured on the 2-core CPU at 0.6 ms a
-# client (MNIST, 1,000 clients of 3 samples a round: 3.5-3.9 -> 2.9-3.1 s) against a 25.8 ms full step
+# calls between its pieces (start, each run of steps, finish). Measured on a 2-core CPU against a
+# 25.8 ms full step: 0.6-1.0 ms a client with 1,000 random-image clients of 3 train samples a round
+# (3.5-3.9 -> 2.9-3.1 s), 1.5 ms in MNIST rounds of 1,130 clients of ~4 (6.29 -> 4.59 s; BENCHMARKS.md,
+# "Clients of a few steps as one compiled call"); the lower figure is taken
 FUSED_SAVING = 0.023
 
 
