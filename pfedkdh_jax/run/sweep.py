@@ -181,16 +181,25 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
         log = _prefixed(log, f"[process {index}/{count}] ")
     os.makedirs(out, exist_ok=True)
     spec_path = os.path.join(out, "sweep.json")
-    if os.path.exists(spec_path):
+
+    def check_spec():
         with open(spec_path) as f:
             stored = json.load(f)
         # the same grid (whether its points stack is how, not what: it may change between calls)
         if _grid_of(stored) != _grid_of(sweep.to_json()):
             raise ConfigError(f"{out} holds another sweep (its sweep.json differs); choose another --out")
-    elif index == 0:
-        with open(spec_path, "w") as f:
-            json.dump(sweep.to_json(), f, indent=2)
+    # process 0 checks or writes the spec (whole, by a rename); the others read it after the barrier,
+    # never while it is being written
+    if index == 0:
+        if os.path.exists(spec_path):
+            check_spec()
+        else:
+            with open(spec_path + ".tmp", "w") as f:
+                json.dump(sweep.to_json(), f, indent=2)
+            os.replace(spec_path + ".tmp", spec_path)
     _barrier("pfedkdh-sweep-start", count)
+    if index != 0:
+        check_spec()
     if order not in ORDERS:
         raise ConfigError(f"--order must be one of {', '.join(ORDERS)}; got {order!r}")
     todo = points(sweep, out)
