@@ -68,7 +68,14 @@ class LocalProblem:
 
     def client(self, state, ctx, data: FederatedData, client: jax.Array, key: jax.Array, num_steps: int):
         """One client from start to finish (its update, or its final local state without a finish)."""
-        local = self.train(self.start(state, data, client, key), ctx, data, client, num_steps)
+        return self.client_in_runs(state, ctx, data, client, key, ((None, num_steps),))
+
+    def client_in_runs(self, state, ctx, data: FederatedData, client: jax.Array, key: jax.Array, runs):
+        """:meth:`client` with its steps in ``runs`` ``((width, steps), ...)``: each run's steps on
+        ``width`` slots (``None``: the trainer's full batch), as a host plan lays them out."""
+        local = self.start(state, data, client, key)
+        for width, count in runs:
+            local = (self if width is None else self.narrowed(width)).train(local, ctx, data, client, count)
         return local if self.finish is None else self.finish(state, data, client, local, key)
 
     def clients(self, state, ctx, data: FederatedData, clients: jax.Array, key: jax.Array,

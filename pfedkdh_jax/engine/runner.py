@@ -32,7 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -96,16 +96,8 @@ class _ClientCalls:
         self._make = (compiled, train_of, ctx_axes, prefix)
 
         def whole_of(plan):   # one client from start to finish in one program: its steps as ``plan`` says
-            def make(a):
-                problem = problem_of(a)
+            return lambda a: lambda s, c, dt, sel, k: problem_of(a).client_in_runs(s, c, dt, sel, k, plan)
 
-                def one(state, ctx, data, sel, key):
-                    local = problem.start(state, data, sel, key)
-                    for width, count in plan:
-                        local = (problem if width is None else problem.narrowed(width)).train(local, ctx, data, sel, count)
-                    return local if problem.finish is None else problem.finish(state, data, sel, local, key)
-                return one
-            return make
         def tag(plan):   # client_whole@4x2: two steps on 4 slots (64x1: one full batch of 64)
             b = host_problem.trainer.batch_size
             return "+".join(f"{w or b}x{n}" for w, n in plan)
@@ -115,7 +107,7 @@ class _ClientCalls:
         self._fused: dict[int, tuple] = {}    # id(train_n) -> (train_n, the plans run as one call)
         self._narrow: dict[tuple[int, bool], tuple] = {}   # (width, vmapped) -> (chunk, single step)
         self._warmed: set = set()                            # (id(train_n), vmapped) already warmed
-        self._plans: dict[tuple, list] = {}                  # (kept widths, one client's size) -> its plan
+        self._plans: dict[tuple, tuple] = {}                  # (kept widths, one client's size) -> its plan
         if layout.step_loop == "scan":
             m = self.max_steps
             self.train_one = compiled(f"{prefix}train_scan", train_of(m), ctx_axes, steps=True)
@@ -136,7 +128,7 @@ class _ClientCalls:
         else:
             self.finish_one = self.finish_all = None   # the local states are the result
 
-    def calls(self, clients: np.ndarray, data: FederatedData) -> list[tuple[int | None, int]] | None:
+    def calls(self, clients: np.ndarray, data: FederatedData) -> "Sequence[tuple[int | None, int]] | None":
         """The plan of ``clients`` taking their steps together (one client, one per repetition, or
         all vmapped) in ``data``: runs ``[(width, steps), ...]`` of consecutive steps computing the
         same slots (``None``: a full batch; :func:`~pfedkdh_jax.engine.local.step_widths`, with
@@ -158,11 +150,11 @@ class _ClientCalls:
         t = self.problem.trainer
         return step_widths(sizes, t.epochs, t.batch_size, self._granule, t.max_steps, kept)
 
-    def _size_plan(self, n: int, kept: frozenset | None) -> list[tuple[int | None, int]]:
+    def _size_plan(self, n: int, kept: frozenset | None) -> tuple[tuple[int | None, int], ...]:
         """The plan of one client of ``n`` train samples (made once per size, reused every round)."""
         plan = self._plans.get((kept, n))
         if plan is None:
-            plan = self._plans[kept, n] = width_runs(self._widths([self.problem.size(n)], kept))
+            plan = self._plans[kept, n] = tuple(width_runs(self._widths([self.problem.size(n)], kept)))
         return plan
 
     def _kept_widths(self, data: FederatedData) -> frozenset | None:
@@ -223,9 +215,11 @@ class _ClientCalls:
 
     def _whole(self, plan, data: FederatedData):
         """The one-call client of ``plan`` where it is one of ``data``'s fused plans, else ``None``."""
-        if plan is None or tuple(plan) not in self._fused_plans(data):
+        if plan is None:
             return None
-        plan = tuple(plan)
+        plan = tuple(plan)   # a one-client plan is already one (made once per size)
+        if plan not in self._fused_plans(data):
+            return None
         if plan not in self._wholes:
             self._wholes[plan] = self._whole_of(plan)
         return self._wholes[plan]
