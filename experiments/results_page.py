@@ -7,8 +7,9 @@ the small committed files under experiments/results/ (issue 24).
 Inputs, each saying where its numbers come from (command, date, BENCHMARKS.md section):
 ``table2/`` and ``cifar10/``: the finished points of experiments/study.py (``points/<point>/`` with
 config.json, summary.json, metrics.jsonl) and ``study.json`` (its command, start, size, a note on what
-is missing); ``paper_table2.json`` (the paper's Table 2); ``cifar10_earlier.json`` (the CIFAR-10 runs
-before the study); ``ablation.json``, ``distillation.json``, ``costs.json``, ``cpu_vs_torch.json``,
+is missing); ``paper_table2.json`` (the paper's Table 2); ``*_earlier.json`` (one column's runs from before the
+study, ``cifar10_earlier.json`` and ``mnist_a0.1_earlier.json``: marked ``*`` until the study's own points
+replace them); ``ablation.json``, ``distillation.json``, ``costs.json``, ``cpu_vs_torch.json``,
 ``gpu.json``: figures transcribed from the dated measurement log below the section.
 
 Nothing else enters (no clock, no path, no run directory; inputs sorted, formats fixed, the PNGs
@@ -104,14 +105,19 @@ def load_study(root: str) -> dict:
 
 def load(results: str = RESULTS) -> dict:
     res = {name: _json(os.path.join(results, name + ".json")) for name in
-           ("paper_table2", "cifar10_earlier", "ablation", "distillation", "costs", "cpu_vs_torch", "gpu")}
+           ("paper_table2", "ablation", "distillation", "costs", "cpu_vs_torch", "gpu")}
+    res["earlier"] = [dict(_json(os.path.join(results, n)), file=n)
+                      for n in sorted(os.listdir(results)) if n.endswith("_earlier.json")]
     res["table2"], res["cifar10"] = (load_study(os.path.join(results, s)) for s in ("table2", "cifar10"))
-    res["cells"], res["curves"] = dict(res["table2"]["cells"]), dict(res["table2"]["curves"])
-    for run in res["cifar10_earlier"]["runs"]:   # the CIFAR-10 study's points replace the earlier runs
-        res["cells"][(run["row"], "cifar10/0.05")] = {"value": run["value"], "std": None, "earlier": True}
-        res["curves"][(run["row"], "cifar10/0.05")] = {int(r): v for r, v in run["curve"].items()}
-    res["cells"].update(res["cifar10"]["cells"])
-    res["curves"].update(res["cifar10"]["curves"])
+    res["cells"], res["curves"] = {}, {}
+    for source in res["earlier"]:   # runs from before the study: its own points replace them
+        for run in source["runs"]:
+            res["cells"][(run["row"], source["column"])] = {"value": run["value"], "std": None, "earlier": True}
+            if "curve" in run:
+                res["curves"][(run["row"], source["column"])] = {int(r): v for r, v in run["curve"].items()}
+    for study in ("table2", "cifar10"):
+        res["cells"].update(res[study]["cells"])
+        res["curves"].update(res[study]["curves"])
     return res
 
 
@@ -196,14 +202,16 @@ def section_table2(res: dict) -> list[str]:
     return ["## Table 2 (MNIST, Fashion-MNIST) and Table 3's CIFAR-10 column, as reproduced",
             "Final round (50), %: ours, one seed (seed 0, data seed 0), then (the paper's mean ± std, gap = (ours − "
             "paper) / paper std); personalized macro accuracy, the global model's in the rows marked so. Study "
-            f"{_study(res['table2'])} and {_study(res['cifar10'])}; `*` = an earlier CIFAR-10 run (experiments/"
-            "results/cifar10_earlier.json: 2026-12-01 and 12-02, one core each); the paper gives no CIFAR-10 figures.",
+            f"{_study(res['table2'])} and {_study(res['cifar10'])}; `*` = a run from before the study ("
+            + "; ".join(f"{col_name(e['column'])}: experiments/results/{e['file']}, {e['_source']['dates']}"
+                        for e in res["earlier"])
+            + "), until the study's point replaces it; the paper gives no CIFAR-10 figures.",
             "", *_table(["row"] + [col_name(c) for c in COLUMNS],
                         [[_label(r)] + [cell_text(res, r, c) for c in COLUMNS] for r, _, _ in ROWS]), "",
             f"**Missing ({sum(len(r) * len(c) for r, c in gaps)} of {len(ROWS) * len(COLUMNS)} cells):** "
             + ("; ".join(f"{', '.join(map(_label, rows))}: {where(cols)}" for rows, cols in gaps) or "none")
             + "." + notes,
-            "", f"**Reading.** Ranking of the paper's rows: {ranking_reading(res)}. Distillation finding: "
+            "", f"**Reading.** Ranking of the paper's rows (`*` cells included): {ranking_reading(res)}. Distillation finding: "
             f"{distillation_reading(res)}."]
 
 
@@ -317,7 +325,11 @@ def figures(res: dict) -> dict[str, bytes]:
     for ax, col in zip(axes.flat, COLUMNS[:6]):
         ours = [res["cells"].get((r, col), {}).get("value") for r, _, _ in ROWS]
         ref = [paper(res, r, col) for r, _, _ in ROWS]
-        ax.bar([x - 0.2 for x in xs], [v or 0 for v in ours], 0.4, label="ours", color="tab:blue")
+        early = [bool(res["cells"].get((r, col), {}).get("earlier")) for r, _, _ in ROWS]
+        ax.bar([x - 0.2 for x in xs], [v if v and not e else 0 for v, e in zip(ours, early)], 0.4, label="ours",
+               color="tab:blue")
+        ax.bar([x - 0.2 for x in xs], [v if v and e else 0 for v, e in zip(ours, early)], 0.4,
+               label="ours, a run before the study (*)", color="lightsteelblue", hatch="//", edgecolor="tab:blue")
         ax.bar([x + 0.2 for x in xs], [p[0] if p else 0 for p in ref], 0.4, yerr=[p[1] if p else 0 for p in ref],
                label="paper (± std)", color="0.65", error_kw={"elinewidth": 0.8})
         ax.set_ylim(5 * int(min([v for v in ours if v] + [p[0] for p in ref if p]) // 5) - 5, 100)

@@ -83,21 +83,29 @@ def test_cells_gaps_and_missing(results):
     assert rp.cell_text(res, "fedavg", "mnist/0.1") == "95.83 (94.43 ± 2.01, +0.7σ)"   # its global model
     assert rp.cell_text(res, "pfedkdh-lam0.5-ea", "mnist/0.1") == "98.86 (99.23 ± 0.03, -12.3σ)"
     assert rp.cell_text(res, "fedper", "mnist/0.5") == "– (98.08 ± 0.30)"           # running: missing
-    assert rp.cell_text(res, "pfedsim", "mnist/0.1") == "–"                         # no paper figure
+    assert rp.cell_text(res, "pfedsim", "mnist/0.5") == "–"                         # no paper figure
     assert rp.cell_text(res, "fedper", "cifar10/0.05") == "92.00"                   # the study's, not the earlier
     assert rp.cell_text(res, "fedavg", "cifar10/0.05") == "44.51*"                  # an earlier run
+    assert rp.cell_text(res, "ditto", "mnist/0.1") == "99.09* (96.02 ± 1.45, +2.1σ)"  # another column's earlier run
     gaps = {(row, col) for rows, cols in rp.missing(res) for row in rows for col in cols}
     filled = {("fedper", "mnist/0.1"), ("fedavg", "mnist/0.1"), ("fedper", "cifar10/0.05")} | {
         (f"pfedkdh-lam{lam}{ea}", "mnist/0.1") for lam in ("0.0", "0.5") for ea in ("", "-ea")}
-    earlier = {(r["row"], "cifar10/0.05") for r in res["cifar10_earlier"]["runs"]}
+    earlier = {(r["row"], e["column"]) for e in res["earlier"] for r in e["runs"]}
+    assert {e["file"] for e in res["earlier"]} == {"cifar10_earlier.json", "mnist_a0.1_earlier.json"}
     assert gaps == {(r, c) for r, _, _ in rp.ROWS for c in rp.COLUMNS} - filled - earlier
     page = rp.section(res)
     assert f"**Missing ({len(gaps)} of {len(rp.ROWS) * len(rp.COLUMNS)} cells):**" in page
-    assert "FedProx (global), Ditto" in page and ": every cell" in page
+    assert ("FedProx (global), Ditto, FedALA, FedProto, FedRep, FedFed (global), pFedMe, pFedSim: MNIST α = 0.05, "
+            "MNIST α = 0.5, F-MNIST α = 0.05, F-MNIST α = 0.1, F-MNIST α = 0.5, CIFAR-10 α = 0.05") in page
+    os.remove(os.path.join(results, "mnist_a0.1_earlier.json"))   # without that column's earlier runs
+    page = rp.section(rp.load(results))
+    assert "FedProx (global), Ditto" in page and ": every cell" in page and "mnist_a0.1_earlier" not in page
 
 
 def test_readings(results):
     res = rp.load(results)
+    # MNIST α = 0.1: the synthetic points only (not the earlier runs of the other rows)
+    res["cells"] = {k: v for k, v in res["cells"].items() if not (v.get("earlier") and k[1] == "mnist/0.1")}
     # the paper's order on MNIST α = 0.1: pFedKDH-EA > pFedKDH-Fair > FedPer > FedAvg; ours puts FedPer first
     assert rp.ranking_reading(res) == (
         "MNIST α = 0.1 differs (here FedPer > pFedKDH-EA λ = 0.5 > pFedKDH-Fair λ = 0.5 (paper's) > FedAvg; the paper's "
