@@ -167,3 +167,36 @@ def test_patch_conv_form_has_the_same_parameters_values_and_gradients():
             np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
     with pytest.raises(ValueError, match="conv_form"):
         CNN(10, conv_form="fft")
+
+
+@pytest.mark.parametrize("backend, custom", [("cpu", True), ("gpu", False)])
+def test_col2im_conv_gradient_matches_xla_and_follows_the_backend(monkeypatch, backend, custom):
+    """The CPU convolution's input gradient (a matmul and col2im): XLA's values and kernel gradient to
+    float32 rounding, plainly and vmapped over per-member weights; used by the backbone's ``lax``
+    form on CPU only, and only in the backbone's case (another stride goes to XLA's convolution)."""
+    from pfedkdh_jax import model
+
+    monkeypatch.setattr(model.jax, "default_backend", lambda: backend)
+    x = jax.random.normal(jax.random.key(1), (3, 12, 12, 4))
+    k = jax.random.normal(jax.random.key(2), (5, 5, 4, 6))
+    w = jax.random.normal(jax.random.key(3), (3, 8, 8, 6))
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def xla(x, k):
+        return jax.lax.conv_general_dilated(x, k, (1, 1), "VALID", dimension_numbers=dn)
+    want = jax.grad(lambda x, k: jnp.sum(xla(x, k) * w), argnums=(0, 1))(x, k)
+    got = jax.grad(lambda x, k: jnp.sum(model.col2im_grad_conv(x, k) * w), argnums=(0, 1))(x, k)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    ks, ws = jnp.stack([k, -k]), jnp.stack([w, 2 * w])
+    vm = jax.jit(jax.vmap(jax.grad(lambda k, w: jnp.sum(model.col2im_grad_conv(x, k) * w)), in_axes=(0, 0)))(ks, ws)
+    ref = jax.vmap(jax.grad(lambda k, w: jnp.sum(xla(x, k) * w)))(ks, ws)
+    np.testing.assert_allclose(vm, ref, rtol=1e-4, atol=1e-4)
+    # the backbone's convolutions go through it on CPU only; a strided call never does
+    cnn = model.CNN(10)
+    p = cnn.init(jax.random.key(0), (16, 16, 3))
+    jaxpr = str(jax.make_jaxpr(lambda p: cnn.logits(p, jnp.ones((2, 16, 16, 3))))(p))
+    pools = 2 if backend == "cpu" else 0   # the pooling's custom gradient is per backend too
+    assert jaxpr.count("custom_vjp_call") == pools + (2 if custom else 0)
+    strided = lambda x: model.cpu_conv_general_dilated(x, k, (2, 2), "VALID", dimension_numbers=model._NHWC)  # noqa: E731
+    assert "custom_vjp_call" not in str(jax.make_jaxpr(strided)(x))
