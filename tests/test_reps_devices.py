@@ -62,10 +62,15 @@ def test_cli_reps_vmap_equals_sequential_and_reports_mean_std(tmp_path):
     v = json.loads((tmp_path / "v" / "summary.json").read_text())
     s = json.loads((tmp_path / "s" / "summary.json").read_text())
     assert [r["seed"] for r in v["repetitions"]] == [0, 1]
+    # the same runs up to float32 rounding (the vmapped convolutions sum in another order): the train
+    # losses agree closely; an accuracy may differ by a borderline test sample (one client's one sample
+    # moves a macro accuracy by 1 / (clients · its test size) <= 1 / (6 · 40)), never by more
+    np.testing.assert_allclose([r["final_train_loss"] for r in v["repetitions"]],
+                               [r["final_train_loss"] for r in s["repetitions"]], rtol=1e-4)
     for key in ["personalized_macro_accuracy", "global_macro_accuracy", "personalized_macro_accuracy_ea"]:
         per = [r[key] for r in v["repetitions"]]
         assert v[key] == pytest.approx(np.mean(per)) and v[f"{key}_std"] == pytest.approx(np.std(per))
-        np.testing.assert_allclose(per, [r[key] for r in s["repetitions"]], atol=1e-5)
+        np.testing.assert_allclose(per, [r[key] for r in s["repetitions"]], atol=1 / (6 * 40) + 1e-6)
     assert v["personalized_macro_accuracy_std"] > 0   # different seeds, different runs
     row = json.loads((tmp_path / "v" / "metrics.jsonl").read_text().splitlines()[-1])
     assert len(row["reps"]) == 2 and "personalized_macro_accuracy_std" in row
