@@ -91,10 +91,10 @@ def col2im_grad_conv(x: jax.Array, kernel: jax.Array) -> jax.Array:
 
     The input gradient is formed as ``g · kernelᵀ`` per output pixel (``[B, H', W', k, k, C]``, one
     einsum), then each of the k² taps added back at its offset (padded views, summed); the kernel's
-    gradient is XLA's. The same values to float32 rounding. On XLA:CPU a whole training step of the
-    CNN is 12–15 % faster at every batch width from 2 to 64 (BENCHMARKS.md, "A faster input gradient
-    for the convolution"): XLA:CPU's transposed convolution runs at a fraction of its forward
-    convolution's rate, small batches most of all.
+    gradient is XLA's (the forward pass its ``vjp`` traces is unused, and XLA drops it). The same
+    values to float32 rounding. On XLA:CPU a whole training step of the CNN is 14–15 % faster at 16–64
+    slots and 8–11 % at 2–4 (BENCHMARKS.md, "A faster input gradient for the convolution"): XLA:CPU's
+    transposed convolution runs at a fraction of its forward convolution's rate.
     """
     return _valid_conv(x, kernel)
 
