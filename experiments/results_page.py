@@ -6,8 +6,8 @@ the small committed files under experiments/results/ (issue 24).
 
 Inputs, each saying where its numbers come from (command, date, BENCHMARKS.md section):
 ``table2/`` and ``cifar10/``: the finished points of experiments/study.py (``points/<point>/`` with
-config.json, summary.json, metrics.jsonl) and ``study.json`` (its command, start, size, a note on what
-is missing); ``paper_table2.json`` (the paper's Table 2); ``*_earlier.json`` (one column's runs from before the
+config.json, summary.json, metrics.jsonl) and ``study.json`` (its command, start, size, the rows and columns it
+runs, a note on what is missing); ``paper_table2.json`` (the paper's Table 2); ``*_earlier.json`` (one column's runs from before the
 study, ``cifar10_earlier.json`` and ``mnist_a0.1_earlier.json``: marked ``*`` until the study's own points
 replace them); ``ablation.json``, ``distillation.json``, ``costs.json``, ``cpu_vs_torch.json``,
 ``gpu.json``: figures transcribed from the dated measurement log below the section.
@@ -156,6 +156,56 @@ def missing(res: dict) -> list[tuple[list[str], list[str]]]:
     return [(rows, list(cols)) for cols, rows in groups.items()]
 
 
+ROUNDS = 50   # a study point's rounds (paper preset)
+
+
+def cifar_round_factor(res: dict) -> float:
+    """A CIFAR-10 round's cost in MNIST rounds: the median, over the side-by-side's windows, of our
+    CIFAR-10 round ÷ our MNIST round (experiments/results/cpu_vs_torch.json)."""
+    return statistics.median(w["cifar10"]["jax"] / w["mnist"]["jax"] for w in res["cpu_vs_torch"]["windows"])
+
+
+def point_hours(res: dict, row: str, col: str) -> float:
+    """A study point's training time on the 2-core CPU, in hours, at the cost table's rates: ROUNDS rounds
+    of the method's MNIST round (FedFed: its phase A's rounds, then phase B's), × :func:`cifar_round_factor`
+    on CIFAR-10."""
+    m = res["costs"]["methods"][row.split("-lam")[0]]
+    if "cpu_phases" in m:
+        a, b = m["cpu_phases"]
+        seconds = m["phase_a_rounds"] * a + (ROUNDS - m["phase_a_rounds"]) * b
+    else:
+        seconds = ROUNDS * m["cpu"]
+    return seconds * (cifar_round_factor(res) if col.startswith("cifar10") else 1.0) / 3600
+
+
+def unfinished(res: dict) -> dict[str, list[tuple[str, str]]]:
+    """Each study's points not finished yet, as (row, column): its study.json's rows × columns less its
+    finished points (a pFedKDH point fills its Fair and EA rows; its row here is the Fair one)."""
+    return {s: [(r, c) for r in res[s]["meta"]["rows"] for c in res[s]["meta"]["columns"]
+                if (r, c) not in res[s]["cells"]] for s in ("table2", "cifar10")}
+
+
+def why_missing(res: dict) -> str:
+    """Why cells are missing: the CPU time the studies' unfinished points need, in all and by method."""
+    todo = unfinished(res)
+    pts = [p for s in todo for p in todo[s]]
+    if not pts:
+        return ""
+    by: dict[str, float] = {}
+    for row, col in pts:
+        method = row.split("-lam")[0]
+        by[method] = by.get(method, 0.0) + point_hours(res, row, col)
+    top = sorted(by.items(), key=lambda kv: -kv[1])[:3]
+    return (f" **Why:** CPU time. The studies' {len(pts)} unfinished points (Table 2: {len(todo['table2'])} of "
+            f"{res['table2']['meta']['points']}; CIFAR-10: {len(todo['cifar10'])} of {res['cifar10']['meta']['points']}) "
+            f"need about {sum(by.values()):.0f} h of training on the 2-core CPU at the cost table's rates ({ROUNDS} rounds "
+            f"a point; FedFed {res['costs']['methods']['fedfed']['phase_a_rounds']} rounds of phase A, then phase B; "
+            f"a CIFAR-10 round taken as {cifar_round_factor(res):.2f}× an MNIST round, the median ratio of our rounds in "
+            "the side-by-side's windows), "
+            + ", ".join(f"{LABEL.get(m, 'pFedKDH')} {h:.0f} h" for m, h in top)
+            + " of it; the study runs only while a session is open.")
+
+
 def ranking_reading(res: dict) -> str:
     """Per Table 2 column with two or more of the paper's rows filled: is their order the paper's?"""
     parts = []
@@ -210,7 +260,7 @@ def section_table2(res: dict) -> list[str]:
                         [[_label(r)] + [cell_text(res, r, c) for c in COLUMNS] for r, _, _ in ROWS]), "",
             f"**Missing ({sum(len(r) * len(c) for r, c in gaps)} of {len(ROWS) * len(COLUMNS)} cells):** "
             + ("; ".join(f"{', '.join(map(_label, rows))}: {where(cols)}" for rows, cols in gaps) or "none")
-            + "." + notes,
+            + "." + why_missing(res) + notes,
             "", f"**Reading.** Ranking of the paper's rows (`*` cells included): {ranking_reading(res)}. Distillation finding: "
             f"{distillation_reading(res)}."]
 
@@ -261,7 +311,7 @@ def section_costs(res: dict) -> list[str]:
             f"2-core CPU: {s['cpu']['from']}, `{s['cpu']['command']}`; pFedKDH: {s['cpu_pfedkdh']['from']}; pFedSim: "
             f"{s['cpu_pfedsim']['from']}; FedFed: {s['cpu_fedfed']['from']}, `{s['cpu_fedfed']['command']}`. H200: "
             f"{s['gpu']['from']}. MB: {s['bytes']['from']}. Study: the median over its finished points (every cell; "
-            "one core, next to other work) and their number.", "",
+            "one or two cores, next to other work) and their number.", "",
             *_table(["method", "s/round, 2-core CPU", "÷ FedPer", "s/round, H200", "s/round, study (points)",
                      "MB down / up per selected client and round"], rows), "",
             f"The paper (its GPU): pFedKDH-Fair {pc['pfedkdh-fair']:.2f} s, EA {pc['pfedkdh-ea']:.2f} s a round, "

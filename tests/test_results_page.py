@@ -102,6 +102,36 @@ def test_cells_gaps_and_missing(results):
     assert "FedProx (global), Ditto" in page and ": every cell" in page and "mnist_a0.1_earlier" not in page
 
 
+def test_why_missing_counts_the_studies_unfinished_points(results):
+    res = rp.load(results)
+    todo = rp.unfinished(res)
+    assert len(todo["table2"]) == 78 - 4 and len(todo["cifar10"]) == 8     # the synthetic points are finished
+    assert ("fedper", "mnist/0.1") not in todo["table2"] and ("pfedkdh-lam0.5", "mnist/0.1") not in todo["table2"]
+    assert ("fedper", "mnist/0.5") in todo["table2"]                         # running: not finished
+    # FedFed: 15 rounds of phase A (127.1 s), 35 of phase B (27.7 s); CIFAR-10 rounds × the side-by-side's ratio
+    assert rp.point_hours(res, "fedfed", "mnist/0.1") == pytest.approx((15 * 127.1 + 35 * 27.7) / 3600)
+    windows = res["cpu_vs_torch"]["windows"]
+    factor = sorted(w["cifar10"]["jax"] / w["mnist"]["jax"] for w in windows)[len(windows) // 2]
+    assert rp.point_hours(res, "pfedkdh-lam0.5", "cifar10/0.05") == pytest.approx(50 * 10.5 * factor / 3600)
+    why = rp.why_missing(res)
+    assert "The studies' 82 unfinished points (Table 2: 74 of 78; CIFAR-10: 8 of 8)" in why
+    assert why in rp.section(res)
+
+
+def test_study_json_names_the_studies_points():
+    """study.json's rows × columns are the points its study runs (experiments/study.py's STUDIES)."""
+    spec = importlib.util.spec_from_file_location("study", os.path.join(REPO, "experiments", "study.py"))
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    for name, s in study.STUDIES.items():
+        meta = rp._json(os.path.join(RESULTS, name, "study.json"))
+        lams = [g.split("=")[1].split(",") for g in s["grid"] if g.startswith("lam=")]
+        rows = [r for m in s["methods"].split(",")
+                for r in ([f"pfedkdh-lam{float(v)}" for v in lams[0]] if m == "pfedkdh" and lams else [m])]
+        cols = [f"{d}/{a}" for d in s["datasets"].split(",") for a in s["alphas"].split(",")]
+        assert meta["rows"] == rows and meta["columns"] == cols and meta["points"] == len(rows) * len(cols)
+
+
 def test_readings(results):
     res = rp.load(results)
     # MNIST α = 0.1: the synthetic points only (not the earlier runs of the other rows)
