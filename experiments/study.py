@@ -13,9 +13,10 @@ last (``--eval-every 5``; EA every 10): FedBABU's every evaluation fine-tunes al
 repository (``$PFEDKDH_STUDY_DIR``, default ``~/pfedkdh-study``: they hold checkpoints), and the
 study runs from a copy of the source taken when it starts (so editing the work tree does not change a
 running study); compiled programs are kept in ``jax-cache`` next to them (``$JAX_COMPILATION_CACHE_DIR``
-if set), so a later point or session skips the compiles an earlier one made. Finished points are copied into ``experiments/results/<sweep>/points/`` (their
-config.json, summary.json and metrics.jsonl, a few kB each): commit them, and a study started on
-another machine takes them as done instead of running them again.
+if set), so a later point or session skips the compiles an earlier one made. Finished points are
+copied into ``experiments/results/<sweep>/points/`` (their config.json, summary.json and
+metrics.jsonl, a few kB each): commit them, and a study started on another machine takes them as
+done instead of running them again.
 
     python experiments/study.py run table2 --data-dir ../shared/data/tfds [--cores 1]   # start / continue
     python experiments/study.py sync table2      # copy the finished points into experiments/results/
