@@ -6,10 +6,12 @@ the small committed files under experiments/results/ (issue 24).
 
 Inputs, each saying where its numbers come from (command, date, BENCHMARKS.md section):
 ``table2/`` and ``cifar10/``: the finished points of experiments/study.py (``points/<point>/`` with
-config.json, summary.json, metrics.jsonl) and ``study.json`` (its command, start, size, the rows and columns it
-runs, a note on what is missing); ``paper_table2.json`` (the paper's Table 2); ``*_earlier.json`` (one column's runs from before the
-study, ``cifar10_earlier.json`` and ``mnist_a0.1_earlier.json``: marked ``*`` until the study's own points
-replace them); ``ablation.json``, ``distillation.json``, ``costs.json``, ``cpu_vs_torch.json``,
+config.json, summary.json, metrics.jsonl) and ``study.json`` (its command, start, size, the rows and
+columns it runs, a note on what is missing); ``spread/``: the points of the study's ``spread`` (more
+partitions of a few cells; data seed 0 is table2's point) and its study.json (also ``data_seeds``);
+``paper_table2.json`` (the paper's Table 2); ``*_earlier.json`` (one column's runs from before the
+study, ``cifar10_earlier.json`` and ``mnist_a0.1_earlier.json``: marked ``*`` until the study's own
+points replace them); ``ablation.json``, ``distillation.json``, ``costs.json``, ``cpu_vs_torch.json``,
 ``gpu.json``: figures transcribed from the dated measurement log below the section.
 
 Nothing else enters (no clock, no path, no run directory; inputs sorted, formats fixed, the PNGs
@@ -103,6 +105,30 @@ def load_study(root: str) -> dict:
     return out
 
 
+def load_spread(root: str, table2: str) -> dict:
+    """The spread study's points and table2's on the same columns: {(row, column): {data seed: %}},
+    with its study.json as ``meta``."""
+    meta = _json(os.path.join(root, "study.json"))
+    out: dict = {"meta": meta, "values": {}, "points": 0}
+    for study in (root, table2):
+        pdir = os.path.join(study, "points")
+        for point in sorted(os.listdir(pdir)) if os.path.isdir(pdir) else []:
+            d = os.path.join(pdir, point)
+            if not os.path.exists(os.path.join(d, "summary.json")):
+                continue
+            cfg, summary = _json(os.path.join(d, "config.json")), _json(os.path.join(d, "summary.json"))
+            col = f"{cfg['dataset']}/{cfg['alpha']:g}"
+            base = f"pfedkdh-lam{float(cfg['lam'])}" if cfg["method"] == "pfedkdh" else cfg["method"]
+            if summary.get("status") != "completed" or col not in meta["columns"] or base not in meta["rows"]:
+                continue
+            out["points"] += study == root
+            metric = table_metric(cfg["method"])
+            for row, key in [(base, metric)] + ([(base + "-ea", metric + "_ea")] if cfg["method"] == "pfedkdh" else []):
+                if key in summary:
+                    out["values"].setdefault((row, col), {})[cfg.get("data_seed", 0)] = 100 * summary[key]
+    return out
+
+
 def load(results: str = RESULTS) -> dict:
     res = {name: _json(os.path.join(results, name + ".json")) for name in
            ("paper_table2", "ablation", "distillation", "costs", "cpu_vs_torch", "gpu")}
@@ -115,6 +141,7 @@ def load(results: str = RESULTS) -> dict:
             res["cells"][(run["row"], source["column"])] = {"value": run["value"], "std": None, "earlier": True}
             if "curve" in run:
                 res["curves"][(run["row"], source["column"])] = {int(r): v for r, v in run["curve"].items()}
+    res["spread"] = load_spread(os.path.join(results, "spread"), os.path.join(results, "table2"))
     for study in ("table2", "cifar10"):
         res["cells"].update(res[study]["cells"])
         res["curves"].update(res[study]["curves"])
@@ -233,6 +260,61 @@ def distillation_reading(res: dict) -> str:
     return "λ = 0 above λ = 0.5: " + "; ".join(out)
 
 
+SWING = 2.0   # points between a final value and the median of the point's evaluations in the 20 rounds before it
+
+
+def swings(res: dict) -> list[tuple[str, str, float, float]]:
+    """Cells whose final (round-50) value lies SWING points or more from the median of the same point's
+    evaluations in rounds 30–49 (at least two of them): (row, column, final, that median)."""
+    out = []
+    for (row, col), curve in sorted(res["curves"].items()):
+        before = [v for r, v in curve.items() if ROUNDS - 20 <= r < ROUNDS]
+        if ROUNDS in curve and len(before) >= 2 and abs(curve[ROUNDS] - statistics.median(before)) >= SWING:
+            out.append((row, col, curve[ROUNDS], statistics.median(before)))
+    return out
+
+
+def swing_reading(res: dict) -> str:
+    found = swings(res)
+    return (f"Final-round swings (a final value {SWING:g} points or more from the median of the same run's "
+            "evaluations in rounds 30–49): " + ("; ".join(f"{_label(r)} {col_name(c)} ({v:.2f} against {m:.2f})"
+                                                           for r, c, v, m in found) or "none") + ".")
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def section_spread(res: dict) -> list[str]:
+    """pFedKDH (λ = 0) and FedPer over three partitions (data seeds 0–2) of the spread study's cells."""
+    sp, m = res["spread"], res["spread"]["meta"]
+    rows, diffs = [], []
+    for col in m["columns"]:
+        for row in [r for base in m["rows"] for r in ([base, base + "-ea"] if base.startswith("pfedkdh") else [base])]:
+            v = sp["values"].get((row, col), {})
+            seeds = " / ".join(f"{v[k]:.2f}" if k in v else "–" for k in m["data_seeds"])
+            ref = paper(res, row, col)
+            if len(v) == len(m["data_seeds"]):
+                mean, std = _mean_std(list(v.values()))
+                ours, gap = f"{mean:.2f} ± {std:.2f}", gap_sigma(mean, *ref)
+            else:
+                ours, gap = "–", "–"
+            rows.append([_label(row), col_name(col), seeds, ours, f"{ref[0]:.2f} ± {ref[1]:.2f}", gap])
+        a, b = sp["values"].get(("pfedkdh-lam0.0", col), {}), sp["values"].get(("fedper", col), {})
+        both = [k for k in m["data_seeds"] if k in a and k in b]
+        if both:
+            theirs = paper(res, "pfedkdh-lam0.0", col)[0] - paper(res, "fedper", col)[0]
+            diffs.append(f"{col_name(col)} " + ", ".join(f"{a[k] - b[k]:+.2f}" for k in both)
+                         + f" (the paper's {theirs:+.2f})")
+    return ["## Over three partitions (Fashion-MNIST)",
+            f"Final round (50), %; data seed 0 is Table 2's point, 1 and 2 the study {_study(sp)}; seed 0; mean ± "
+            "std over the partitions, gap = (our mean − paper) / paper std.", "",
+            *_table(["row", "cell", "data seed " + " / ".join(map(str, m["data_seeds"])), "ours, mean ± std",
+                     "paper", "gap"], rows), "",
+            "pFedKDH-Fair (λ = 0) − FedPer on the same partition: "
+            + ("; ".join(diffs) or "no pair finished yet") + "."]
+
+
 # --------------------------------------------------------------------------------------- the section
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
@@ -262,7 +344,7 @@ def section_table2(res: dict) -> list[str]:
             + ("; ".join(f"{', '.join(map(_label, rows))}: {where(cols)}" for rows, cols in gaps) or "none")
             + "." + why_missing(res) + notes,
             "", f"**Reading.** Ranking of the paper's rows (`*` cells included): {ranking_reading(res)}. Distillation finding: "
-            f"{distillation_reading(res)}."]
+            f"{distillation_reading(res)}. {swing_reading(res)}"]
 
 
 def section_ablation(res: dict) -> list[str]:
@@ -345,7 +427,8 @@ def section(res: dict) -> str:
     lines = [BEGIN, "", f"What this implementation gets and how fast, regenerated byte for byte by `{COMMAND}` from "
              "the files under experiments/results/ (each says where its numbers come from); the dated measurement "
              "log below holds every figure's details.", ""]
-    for part in (section_table2, section_costs, section_cpu, section_gpu, section_ablation, section_distillation):
+    for part in (section_table2, section_costs, section_cpu, section_gpu, section_spread, section_ablation,
+                 section_distillation):
         lines += part(res) + [""]
     n = sum(1 for r, c in res["curves"] if r in CURVES and c in ("cifar10/0.05", "fashion_mnist/0.05"))
     return "\n".join(lines + [

@@ -40,11 +40,11 @@ def test_committed_figures_are_the_generated_ones():
     assert rp.main(["--check"]) == 0, "run `python experiments/results_page.py`"
 
 
-def _point(root, study, name, method, dataset, alpha, summary, lam=0.0, status="completed"):
+def _point(root, study, name, method, dataset, alpha, summary, lam=0.0, status="completed", data_seed=0):
     d = os.path.join(root, study, "points", name)
     os.makedirs(d)
     with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump({"method": method, "dataset": dataset, "alpha": alpha, "lam": lam}, f)
+        json.dump({"method": method, "dataset": dataset, "alpha": alpha, "lam": lam, "data_seed": data_seed}, f)
     with open(os.path.join(d, "summary.json"), "w") as f:
         json.dump(dict(summary, status=status, seconds_per_round=10.0,
                        bytes_per_client_round={"download": 2308104, "upload": 2308104}), f)
@@ -129,7 +129,11 @@ def test_study_json_names_the_studies_points():
         rows = [r for m in s["methods"].split(",")
                 for r in ([f"pfedkdh-lam{float(v)}" for v in lams[0]] if m == "pfedkdh" and lams else [m])]
         cols = [f"{d}/{a}" for d in s["datasets"].split(",") for a in s["alphas"].split(",")]
-        assert meta["rows"] == rows and meta["columns"] == cols and meta["points"] == len(rows) * len(cols)
+        # a data_seed grid: the study's own points are those seeds; data seed 0 is table2's point
+        seeds = [int(v) for g in s["grid"] if g.startswith("data_seed=") for v in g.split("=")[1].split(",")]
+        assert meta["rows"] == rows and meta["columns"] == cols
+        assert meta["points"] == len(rows) * len(cols) * max(1, len(seeds))
+        assert meta.get("data_seeds", [0]) == ([0] + seeds if seeds else [0])
 
 
 def test_readings(results):
@@ -143,6 +147,40 @@ def test_readings(results):
     assert rp.distillation_reading(res) == "λ = 0 above λ = 0.5: Fair on 2 of 2 filled cells; EA on 2 of 2 filled cells"
     res["cells"][("pfedkdh-lam0.5", "mnist/0.1")]["value"] = 99.5
     assert "Fair on 1 of 2 filled cells (not on MNIST α = 0.1)" in rp.distillation_reading(res)
+
+
+def test_spread_over_partitions(results):
+    """Table 2's point is data seed 0; the spread study's points add seeds 1 and 2 on its cells only."""
+    acc, col = "personalized_macro_accuracy", "fashion_mnist/0.05"
+    _point(results, "table2", "fashion_mnist-a0.05-fedper", "fedper", "fashion_mnist", 0.05, {acc: 0.96})
+    _point(results, "table2", "fashion_mnist-a0.05-pfedkdh-lam0.0", "pfedkdh", "fashion_mnist", 0.05,
+           {acc: 0.97, acc + "_ea": 0.975})
+    for seed, (kdh, per) in ((1, (0.95, 0.955)), (2, (0.96, 0.95))):
+        _point(results, "spread", f"fashion_mnist-a0.05-pfedkdh-lam0.0-data_seed{seed}", "pfedkdh", "fashion_mnist",
+               0.05, {acc: kdh, acc + "_ea": kdh}, data_seed=seed)
+        _point(results, "spread", f"fashion_mnist-a0.05-fedper-data_seed{seed}", "fedper", "fashion_mnist", 0.05,
+               {acc: per}, data_seed=seed)
+    _point(results, "spread", "fashion_mnist-a0.5-fedper-data_seed1", "fedper", "fashion_mnist", 0.5, {acc: 0.9},
+           data_seed=1, status="running")
+    res = rp.load(results)
+    assert res["spread"]["points"] == 4
+    assert res["spread"]["values"][("pfedkdh-lam0.0", col)] == pytest.approx({0: 97.0, 1: 95.0, 2: 96.0})
+    assert ("fedper", "fashion_mnist/0.5") not in res["spread"]["values"]
+    text = "\n".join(rp.section_spread(res))
+    # mean 96.00 ± 1.00 against the paper's 97.31 ± 0.11: (96 − 97.31) / 0.11 = −11.9σ
+    assert ("| pFedKDH-Fair λ = 0 (default) | F-MNIST α = 0.05 | 97.00 / 95.00 / 96.00 | 96.00 ± 1.00 | 97.31 ± 0.11 "
+            "| -11.9σ |") in text
+    assert "| FedPer | F-MNIST α = 0.5 | – / – / – | – |" in text
+    assert "F-MNIST α = 0.05 +1.00, -0.50, +1.00 (the paper's +0.21)" in text
+
+
+def test_final_round_swings(results):
+    res = rp.load(results)
+    res["curves"] = {("fedbabu", "mnist/0.05"): {25: 98.0, 30: 99.0, 40: 99.4, 45: 99.2, 50: 94.3},
+                     ("fedper", "mnist/0.05"): {30: 99.0, 40: 99.4, 45: 99.2, 50: 97.5},     # 1.7 points: kept
+                     ("fedavg", "mnist/0.05"): {25: 80.0, 45: 81.0, 50: 90.0}}              # one evaluation before
+    assert rp.swings(res) == [("fedbabu", "mnist/0.05", 94.3, 99.2)]
+    assert "FedBABU MNIST α = 0.05 (94.30 against 99.20)" in rp.swing_reading(res)
 
 
 def test_section_replaces_only_the_marked_part(results, tmp_path):
