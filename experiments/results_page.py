@@ -76,10 +76,9 @@ def _label(row: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ inputs
-def load_study(root: str) -> dict:
-    """A study's finished points as cells {(row, column): {value, std}} in %, curves {(row, column):
-    {round: %}}, costs {method: [{seconds, bytes}]}, with its study.json as ``meta``."""
-    out = {"cells": {}, "curves": {}, "costs": {}, "points": 0, "meta": _json(os.path.join(root, "study.json"))}
+def _finished_points(root: str):
+    """A study directory's completed points, in name order: (point dir, config, summary, column, [(row,
+    summary key)]) — a pFedKDH point fills a Fair row (``pfedkdh-lam<λ>``) and an EA one (``…-ea``)."""
     pdir = os.path.join(root, "points")
     for point in sorted(os.listdir(pdir)) if os.path.isdir(pdir) else []:
         d = os.path.join(pdir, point)
@@ -88,19 +87,27 @@ def load_study(root: str) -> dict:
         cfg, summary = _json(os.path.join(d, "config.json")), _json(os.path.join(d, "summary.json"))
         if summary.get("status") != "completed":
             continue
+        method, metric = cfg["method"], table_metric(cfg["method"])
+        base = f"pfedkdh-lam{float(cfg['lam'])}" if method == "pfedkdh" else method
+        rows = [(base, metric)] + ([(base + "-ea", metric + "_ea")] if method == "pfedkdh" else [])
+        yield d, cfg, summary, f"{cfg['dataset']}/{cfg['alpha']:g}", [(r, k) for r, k in rows if k in summary]
+
+
+def load_study(root: str) -> dict:
+    """A study's finished points as cells {(row, column): {value, std}} in %, curves {(row, column):
+    {round: %}}, costs {method: [{seconds, bytes}]}, with its study.json as ``meta``."""
+    out = {"cells": {}, "curves": {}, "costs": {}, "points": 0, "meta": _json(os.path.join(root, "study.json"))}
+    for d, cfg, summary, col, rows in _finished_points(root):
         out["points"] += 1
-        method, col = cfg["method"], f"{cfg['dataset']}/{cfg['alpha']:g}"
-        base, metric = (f"pfedkdh-lam{float(cfg['lam'])}" if method == "pfedkdh" else method), table_metric(method)
         records = []
         if os.path.exists(os.path.join(d, "metrics.jsonl")):
             with open(os.path.join(d, "metrics.jsonl"), encoding="utf-8") as f:
                 records = [json.loads(line) for line in f if line.strip()]
-        for row, key in [(base, metric)] + ([(base + "-ea", metric + "_ea")] if method == "pfedkdh" else []):
-            if key in summary:
-                std = summary.get(key + "_std") if summary.get("reps", 1) > 1 else None
-                out["cells"][(row, col)] = {"value": 100 * summary[key], "std": None if std is None else 100 * std}
-                out["curves"][(row, col)] = {r["round"]: 100 * r[key] for r in records if key in r}
-        out["costs"].setdefault(method, []).append(
+        for row, key in rows:
+            std = summary.get(key + "_std") if summary.get("reps", 1) > 1 else None
+            out["cells"][(row, col)] = {"value": 100 * summary[key], "std": None if std is None else 100 * std}
+            out["curves"][(row, col)] = {r["round"]: 100 * r[key] for r in records if key in r}
+        out["costs"].setdefault(cfg["method"], []).append(
             {"seconds": summary.get("seconds_per_round"), "bytes": summary.get("bytes_per_client_round")})
     return out
 
@@ -111,21 +118,12 @@ def load_spread(root: str, table2: str) -> dict:
     meta = _json(os.path.join(root, "study.json"))
     out: dict = {"meta": meta, "values": {}, "points": 0}
     for study in (root, table2):
-        pdir = os.path.join(study, "points")
-        for point in sorted(os.listdir(pdir)) if os.path.isdir(pdir) else []:
-            d = os.path.join(pdir, point)
-            if not os.path.exists(os.path.join(d, "summary.json")):
-                continue
-            cfg, summary = _json(os.path.join(d, "config.json")), _json(os.path.join(d, "summary.json"))
-            col = f"{cfg['dataset']}/{cfg['alpha']:g}"
-            base = f"pfedkdh-lam{float(cfg['lam'])}" if cfg["method"] == "pfedkdh" else cfg["method"]
-            if summary.get("status") != "completed" or col not in meta["columns"] or base not in meta["rows"]:
+        for _, cfg, summary, col, rows in _finished_points(study):
+            if not rows or col not in meta["columns"] or rows[0][0] not in meta["rows"]:
                 continue
             out["points"] += study == root
-            metric = table_metric(cfg["method"])
-            for row, key in [(base, metric)] + ([(base + "-ea", metric + "_ea")] if cfg["method"] == "pfedkdh" else []):
-                if key in summary:
-                    out["values"].setdefault((row, col), {})[cfg.get("data_seed", 0)] = 100 * summary[key]
+            for row, key in rows:
+                out["values"].setdefault((row, col), {})[cfg.get("data_seed", 0)] = 100 * summary[key]
     return out
 
 
