@@ -258,6 +258,19 @@ def distillation_reading(res: dict) -> str:
     return "λ = 0 above λ = 0.5: " + "; ".join(out)
 
 
+def over_fedper_reading(res: dict) -> str:
+    """pFedKDH-Fair (λ = 0) − FedPer per Table 2 column where both are filled, next to the paper's
+    pFedKDH-Fair − FedPer (its λ = 0.5): at λ = 0 the local objective is FedPer's plus pFedKDH's proximal
+    term (μ/2·‖θ_k − θ_g‖², the paper preset's μ = 0.01)."""
+    cols = [c for c in COLUMNS[:6] if ("pfedkdh-lam0.0", c) in res["cells"] and ("fedper", c) in res["cells"]]
+    if not cols:
+        return ""
+    diff = lambda c: res["cells"][("pfedkdh-lam0.0", c)]["value"] - res["cells"][("fedper", c)]["value"]  # noqa: E731
+    theirs = lambda c: paper(res, "pfedkdh-lam0.0", c)[0] - paper(res, "fedper", c)[0]  # noqa: E731
+    return (" pFedKDH-Fair (λ = 0) − FedPer: " + ", ".join(f"{col_name(c)} {diff(c):+.2f} (paper {theirs(c):+.2f})"
+                                                        for c in cols) + ".")
+
+
 SWING = 2.0   # points between a final value and the median of the point's evaluations in the 20 rounds before it
 
 
@@ -342,7 +355,7 @@ def section_table2(res: dict) -> list[str]:
             + ("; ".join(f"{', '.join(map(_label, rows))}: {where(cols)}" for rows, cols in gaps) or "none")
             + "." + why_missing(res) + notes,
             "", f"**Reading.** Ranking of the paper's rows (`*` cells included): {ranking_reading(res)}. Distillation finding: "
-            f"{distillation_reading(res)}. {swing_reading(res)}"]
+            f"{distillation_reading(res)}.{over_fedper_reading(res)} {swing_reading(res)}"]
 
 
 def section_ablation(res: dict) -> list[str]:
