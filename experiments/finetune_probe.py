@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     p.add_argument("--round", type=int, required=True, help="the checkpoint's round")
     p.add_argument("--clients", required=True, help="comma-separated client ids")
     p.add_argument("--epochs", type=int, default=5, help="fine-tuning epochs (FedBABU's default 5)")
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (the engine's fine-tuning: none)")
     p.add_argument("--data-dir", default=os.environ.get("TFDS_DATA_DIR"))
     a = p.parse_args(argv)
 
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
     def accuracy(params, x, y) -> float:
         return float((jnp.argmax(model.logits(params, x), -1) == y).mean())
 
-    tx = optax.sgd(cfg.lr)
+    tx = optax.sgd(cfg.lr, momentum=a.momentum or None)
 
     @jax.jit
     def step(params, opt, x, y, key):
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt, value, optax.global_norm(grads)
 
-    print(f"{cfg.method}, {cfg.dataset} α = {cfg.alpha:g}, round {a.round}: SGD lr {cfg.lr}, batch "
+    print(f"{cfg.method}, {cfg.dataset} α = {cfg.alpha:g}, round {a.round}: SGD lr {cfg.lr}, momentum {a.momentum}, batch "
           f"{cfg.batch_size}, {a.epochs} epochs, whole model")
     for c in (int(s) for s in a.clients.split(",")):
         xtr, ytr = arrays(part.train_idx[c])
