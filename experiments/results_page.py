@@ -297,7 +297,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def section_spread(res: dict) -> list[str]:
-    """pFedKDH (λ = 0) and FedPer over three partitions (data seeds 0–2) of the spread study's cells."""
+    """The spread study's rows (pFedKDH λ = 0: Fair and EA) on its cells, one value per data seed, their mean
+    ± std next to the paper's, and pFedKDH − FedPer per partition."""
     sp, m = res["spread"], res["spread"]["meta"]
     rows, diffs = [], []
     for col in m["columns"]:
@@ -317,7 +318,7 @@ def section_spread(res: dict) -> list[str]:
             theirs = paper(res, "pfedkdh-lam0.0", col)[0] - paper(res, "fedper", col)[0]
             diffs.append(f"{col_name(col)} " + ", ".join(f"{a[k] - b[k]:+.2f}" for k in both)
                          + f" (the paper's {theirs:+.2f})")
-    return ["## Over three partitions (Fashion-MNIST)",
+    return [f"## Over {len(m['data_seeds'])} partitions: {', '.join(map(col_name, m['columns']))}",
             f"Final round (50), %; data seed 0 is Table 2's point, 1 and 2 the study {_study(sp)}; seed 0; mean ± "
             "std over the partitions, gap = (our mean − paper) / paper std.", "",
             *_table(["row", "cell", "data seed " + " / ".join(map(str, m["data_seeds"])), "ours, mean ± std",
