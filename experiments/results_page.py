@@ -231,18 +231,45 @@ def why_missing(res: dict) -> str:
             + " of it; the study runs only while a session is open.")
 
 
-def ranking_reading(res: dict) -> str:
-    """Per Table 2 column with two or more of the paper's rows filled: is their order the paper's?"""
-    parts = []
+def kendall_tau(ours: list[str], theirs: list[str]) -> float:
+    """Kendall's τ between two orders of the same rows: 1 the same order, −1 reversed."""
+    pos = {r: i for i, r in enumerate(theirs)}
+    pairs = [(a, b) for i, a in enumerate(ours) for b in ours[i + 1:]]
+    return sum(1 if pos[a] < pos[b] else -1 for a, b in pairs) / len(pairs)
+
+
+def _orders(res: dict) -> dict[str, tuple[list[str], list[str]]]:
+    """Per Table 2 column with two or more of the paper's rows filled: (our order, the paper's order)."""
+    out = {}
     for col in COLUMNS[:6]:
         rows = [r for r in RANKED if (r, col) in res["cells"]]
-        if len(rows) < 2:
-            continue
-        ours = sorted(rows, key=lambda r: (-res["cells"][(r, col)]["value"], r))
-        theirs = sorted(rows, key=lambda r: (-paper(res, r, col)[0], r))
-        parts.append(f"{col_name(col)} the paper's order ({len(rows)} rows)" if ours == theirs else
-                     f"{col_name(col)} differs (here {' > '.join(LABEL[r] for r in ours)}; the paper's "
-                     f"{' > '.join(LABEL[r] for r in theirs)})")
+        if len(rows) >= 2:
+            out[col] = (sorted(rows, key=lambda r: (-res["cells"][(r, col)]["value"], r)),
+                        sorted(rows, key=lambda r: (-paper(res, r, col)[0], r)))
+    return out
+
+
+def ranking_summary(res: dict) -> str:
+    """One line: on how many columns the order differs, Kendall's τ per column, and which rows lead."""
+    orders = _orders(res)
+    if not orders:
+        return "no Table 2 column has two filled rows yet"
+    differ = sum(ours != theirs for ours, theirs in orders.values())
+    same_top = sum(ours[0] == theirs[0] for ours, theirs in orders.values())
+    lead: dict[str, int] = {}
+    for ours, _ in orders.values():
+        lead[ours[0]] = lead.get(ours[0], 0) + 1
+    return (f"the order differs from the paper's on {differ} of {len(orders)} columns (Kendall's τ, ours against "
+            "the paper's: " + ", ".join(f"{col_name(c)} {kendall_tau(*o):+.2f}" for c, o in orders.items())
+            + f"); the paper's first row is first here on {same_top} of {len(orders)}; first here: "
+            + ", ".join(f"{LABEL[r]} on {n}" for r, n in sorted(lead.items(), key=lambda kv: (-kv[1], kv[0]))))
+
+
+def ranking_reading(res: dict) -> str:
+    """Per Table 2 column with two or more of the paper's rows filled: is their order the paper's?"""
+    parts = [f"{col_name(col)} the paper's order ({len(ours)} rows)" if ours == theirs else
+             f"{col_name(col)} differs (here {' > '.join(LABEL[r] for r in ours)}; the paper's "
+             f"{' > '.join(LABEL[r] for r in theirs)})" for col, (ours, theirs) in _orders(res).items()]
     return "; ".join(parts) if parts else "no Table 2 column has two filled rows yet"
 
 
@@ -355,7 +382,7 @@ def section_table2(res: dict) -> list[str]:
             f"**Missing ({sum(len(r) * len(c) for r, c in gaps)} of {len(ROWS) * len(COLUMNS)} cells):** "
             + ("; ".join(f"{', '.join(map(_label, rows))}: {where(cols)}" for rows, cols in gaps) or "none")
             + "." + why_missing(res) + notes,
-            "", f"**Reading.** Ranking of the paper's rows (`*` cells included): {ranking_reading(res)}. Distillation finding: "
+            "", f"**Reading.** Ranking of the paper's rows (`*` cells included): {ranking_summary(res)}. Per column: {ranking_reading(res)}. Distillation finding: "
             f"{distillation_reading(res)}.{over_fedper_reading(res)} {swing_reading(res)}"]
 
 

@@ -144,11 +144,21 @@ def test_readings(results):
     assert rp.ranking_reading(res) == (
         "MNIST α = 0.1 differs (here FedPer > pFedKDH-EA λ = 0.5 > pFedKDH-Fair λ = 0.5 (paper's) > FedAvg; the paper's "
         "pFedKDH-EA λ = 0.5 > pFedKDH-Fair λ = 0.5 (paper's) > FedPer > FedAvg)")
+    # ours FedPer, EA, Fair, FedAvg against the paper's EA, Fair, FedPer, FedAvg: 4 pairs agree, 2 do not
+    assert rp.ranking_summary(res) == (
+        "the order differs from the paper's on 1 of 1 columns (Kendall's τ, ours against the paper's: MNIST α = 0.1 "
+        "+0.33); the paper's first row is first here on 0 of 1; first here: FedPer on 1")
     assert rp.distillation_reading(res) == "λ = 0 above λ = 0.5: Fair on 2 of 2 filled cells; EA on 2 of 2 filled cells"
     # 99.00 − 99.04 here; the paper's 99.12 − 98.61
     assert rp.over_fedper_reading(res) == " pFedKDH-Fair (λ = 0) − FedPer: MNIST α = 0.1 -0.04 (paper +0.51)."
     res["cells"][("pfedkdh-lam0.5", "mnist/0.1")]["value"] = 99.5
     assert "Fair on 1 of 2 filled cells (not on MNIST α = 0.1)" in rp.distillation_reading(res)
+
+
+def test_kendall_tau():
+    assert rp.kendall_tau(["a", "b", "c"], ["a", "b", "c"]) == 1.0
+    assert rp.kendall_tau(["c", "b", "a"], ["a", "b", "c"]) == -1.0
+    assert rp.kendall_tau(["b", "a", "c"], ["a", "b", "c"]) == 1 / 3
 
 
 def test_spread_over_partitions(results):
