@@ -191,18 +191,44 @@ def regenerate_page() -> None:
     subprocess.call([sys.executable, os.path.join(HERE, "results_page.py")])
 
 
+def _last_round(run_dir: str) -> int:
+    """The last round a point's metrics.jsonl holds (0: none yet)."""
+    last = 0
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    last = max(last, int(json.loads(line).get("round", 0)))
+                except (ValueError, AttributeError):
+                    pass
+    except OSError:
+        pass
+    return last
+
+
 def status(name: str) -> None:
+    """One line per point of the study directory, then the study's progress against its planned points."""
     root = study_dir(name)
+    done = saved_n = 0
     for point in _points(root):
         d = os.path.join(root, "points", point)
         if _completed(d):
             state = "completed"
+            done += 1
         else:
             ck = os.path.join(d, "checkpoints")
             rounds = sorted(os.listdir(ck)) if os.path.isdir(ck) else []
-            state = f"running/checkpointed ({rounds[-1] if rounds else 'no checkpoint'})"
-        saved = "saved" if _completed(os.path.join(RESULTS, name, "points", point)) else "not saved"
-        print(f"{point:45s} {state:40s} {saved}")
+            state = f"running: round {_last_round(d)} ({rounds[-1] if rounds else 'no checkpoint'})"
+        saved = _completed(os.path.join(RESULTS, name, "points", point))
+        saved_n += saved
+        print(f"{point:45s} {state:40s} {'saved' if saved else 'not saved'}")
+    try:
+        with open(os.path.join(RESULTS, name, "study.json")) as f:
+            planned = json.load(f)["points"]
+    except (OSError, ValueError, KeyError):
+        planned = None
+    print(f"{done} of {planned if planned else '?'} points completed here, {saved_n} saved to experiments/results"
+          + ("" if done == saved_n else " (run `sync` to save the rest)"))
 
 
 def main(argv=None) -> int:
