@@ -230,3 +230,35 @@ def test_a_round_keeps_its_outputs_when_the_next_round_reuses_the_upload_buffer(
     assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(buffer))   # donated: written in place
     np.testing.assert_array_equal(np.asarray(first["client_loss"]), kept)
     assert not np.array_equal(np.asarray(second["client_loss"]), kept)
+
+
+def test_a_personalization_on_features_adapts_small_clients_on_narrow_widths_as_on_full_batches(monkeypatch):
+    """pFedKDH-EA's head steps on features: clients grouped by the slots their batches need (8, 16, 32,
+    a full batch) give the heads that every client on a full batch of 64 gives."""
+    from conftest import synthetic_pool
+
+    from pfedkdh_jax.data import build_federated_data, make_partition
+    from pfedkdh_jax.engine import evaluate
+    pool = synthetic_pool(600)
+    part = make_partition(pool.labels, num_clients=12, alpha=0.3, aux_size=40, min_client_samples=3, seed=1)
+    data = build_federated_data(pool, part, eval_chunk=64)     # train sizes 3 … 92
+    algo = algorithms.build(make_config("smoke", method="pfedkdh", ea_steps=3), data.num_classes)
+    state = algo.init(jax.random.key(0), data)
+    groups = evaluate.feature_groups(algo.personalization.trainer, data, None)
+    assert [w for _, w in groups] == [8, 16, 32, None]
+    assert sorted(np.concatenate([ids for ids, _ in groups]).tolist()) == list(range(12))
+    pieces = evaluate.make_evaluate(algo)
+    feats = pieces.features(algo.eval_models(state).backbone, data, data.train_flat)
+
+    def adapt():
+        return jax.jit(pieces.adapt_on_features)(state, data, jax.random.key(1), feats)
+    grouped = adapt()
+    monkeypatch.setattr(evaluate, "FEATURE_WIDTHS", ())        # every client on a full batch
+    assert [w for _, w in evaluate.feature_groups(algo.personalization.trainer, data, None)] == [None]
+    full = adapt()
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grouped, full)
+    # the steps moved every client's head (the comparison is not of untouched heads)
+    start = jax.vmap(lambda k: algo.personalization.start(state, data, k, jax.random.key(1)).params)(np.arange(12))
+    moved = jax.tree_util.tree_map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).reshape(12, -1).max(1),
+                                   grouped, start)
+    assert all((m > 1e-4).all() for m in jax.tree_util.tree_leaves(moved))

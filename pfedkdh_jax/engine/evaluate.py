@@ -54,6 +54,25 @@ def feature_steps(p: Personalization, data: FederatedData) -> int:
     return max_local_steps(p.trainer, data)
 
 
+FEATURE_WIDTHS = (8, 16, 32)   # the narrow widths of a personalization on features (then a full batch)
+
+
+def feature_groups(trainer, data: FederatedData, clients: np.ndarray | None) -> list[tuple[np.ndarray, int | None]]:
+    """The clients a personalization on features adapts, grouped by the slots their steps need:
+    ``[(clients, width), ...]``, each client in the group of the narrowest of :data:`FEATURE_WIDTHS`
+    holding ``min(n_k, B)`` samples (``None``: a full batch of B). A client's steps are the same on
+    any width that holds its batch (:class:`~pfedkdh_jax.engine.local.LocalTrainer`'s ``width``), so
+    thousands of clients of a few samples each do not each compute a batch of 64 (host ints, from the
+    static sizes: the per-client maximum over stacked partitions)."""
+    ids = np.arange(data.num_clients) if clients is None else np.asarray(clients)
+    b = trainer.batch_size if trainer.width is None else trainer.width
+    groups: dict[int | None, list[int]] = {}
+    for k in ids:
+        need = min(int(data.train_sizes[k]), b)
+        groups.setdefault(next((w for w in FEATURE_WIDTHS if need <= w < b), None), []).append(int(k))
+    return [(np.asarray(groups[w], np.int32), w) for w in sorted(groups, key=lambda w: b if w is None else w)]
+
+
 @dataclasses.dataclass(frozen=True)
 class EvaluatePieces:
     """The pure pieces of an evaluation of ``algo`` with ``layout`` (resolved); calling it evaluates."""
@@ -96,13 +115,18 @@ class EvaluatePieces:
         source = (train_feats, data.labels[data.train_flat])
         steps = feature_steps(p, data)
 
-        def one(k):
-            local = p.start(state, data, k, key)
-            return p.trainer.run_scan(local, None, data.train_flat_pos[k], source, steps).params
+        def adapted(trainer, ids):
+            def one(k):
+                local = p.start(state, data, k, key)
+                return trainer.run_scan(local, None, data.train_flat_pos[k], source, steps).params
+            return jax.vmap(one)(jnp.asarray(ids))
         clients = adapted_clients(data)
-        if clients is None:
-            return jax.vmap(one)(jnp.arange(data.num_clients))
-        return spread_to_all(jax.vmap(one)(jnp.asarray(clients)), clients, data.num_clients)
+        groups = feature_groups(p.trainer, data, clients)
+        if clients is None and len(groups) == 1 and groups[0][1] is None:   # every client a full batch
+            return adapted(p.trainer, np.arange(data.num_clients))
+        parts = [adapted(p.trainer if w is None else dataclasses.replace(p.trainer, width=w), ids) for ids, w in groups]
+        params = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *parts)
+        return spread_to_all(params, np.concatenate([ids for ids, _ in groups]), data.num_clients)
 
     def adapt_on_images(self, state, data: FederatedData, key: jax.Array):
         """Every client's adapted parameters ``[K, ...]`` of a personalization on the images."""
