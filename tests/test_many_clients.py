@@ -234,7 +234,8 @@ def test_a_round_keeps_its_outputs_when_the_next_round_reuses_the_upload_buffer(
 
 def test_a_personalization_on_features_adapts_small_clients_on_narrow_widths_as_on_full_batches(monkeypatch):
     """pFedKDH-EA's head steps on features: clients grouped by the slots their batches need (8, 16, 32,
-    a full batch) give the heads that every client on a full batch of 64 gives."""
+    a full batch), and a group's clients a chunk at a time, give the heads that every client on a full
+    batch of 64, all at once, gives."""
     from conftest import synthetic_pool
 
     from pfedkdh_jax.data import build_federated_data, make_partition
@@ -253,10 +254,16 @@ def test_a_personalization_on_features_adapts_small_clients_on_narrow_widths_as_
     def adapt():
         return jax.jit(pieces.adapt_on_features)(state, data, jax.random.key(1), feats)
     grouped = adapt()
-    monkeypatch.setattr(evaluate, "FEATURE_WIDTHS", ())        # every client on a full batch
+    monkeypatch.setattr(evaluate, "FEATURE_CHUNK", 2)           # groups of 3+ clients, 2 at a time
+    monkeypatch.setattr(evaluate, "FEATURE_CHUNK_FROM", 2)      # (the last chunk padded)
+    assert any(len(ids) > 2 and len(ids) % 2 for ids, _ in groups)
+    chunked = adapt()
+    monkeypatch.setattr(evaluate, "FEATURE_WIDTHS", ())        # every client on a full batch, all at once
+    monkeypatch.setattr(evaluate, "FEATURE_CHUNK_FROM", 100)
     assert [w for _, w in evaluate.feature_groups(algo.personalization.trainer, data, None)] == [None]
     full = adapt()
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grouped, full)
+    for got in (grouped, chunked):
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, full)
     # the steps moved every client's head (the comparison is not of untouched heads)
     start = jax.vmap(lambda k: algo.personalization.start(state, data, k, jax.random.key(1)).params)(np.arange(12))
     moved = jax.tree_util.tree_map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).reshape(12, -1).max(1),
