@@ -265,12 +265,15 @@ def ranking_summary(res: dict) -> str:
             + ", ".join(f"{LABEL[r]} on {n}" for r, n in sorted(lead.items(), key=lambda kv: (-kv[1], kv[0]))))
 
 
-def ranking_reading(res: dict) -> str:
+def ranking_lines(res: dict) -> list[str]:
     """Per Table 2 column with two or more of the paper's rows filled: is their order the paper's?"""
-    parts = [f"{col_name(col)} the paper's order ({len(ours)} rows)" if ours == theirs else
-             f"{col_name(col)} differs (here {' > '.join(LABEL[r] for r in ours)}; the paper's "
-             f"{' > '.join(LABEL[r] for r in theirs)})" for col, (ours, theirs) in _orders(res).items()]
-    return "; ".join(parts) if parts else "no Table 2 column has two filled rows yet"
+    return [f"{col_name(col)} the paper's order ({len(ours)} rows)" if ours == theirs else
+            f"{col_name(col)} differs (here {' > '.join(LABEL[r] for r in ours)}; the paper's "
+            f"{' > '.join(LABEL[r] for r in theirs)})" for col, (ours, theirs) in _orders(res).items()]
+
+
+def ranking_reading(res: dict) -> str:
+    return "; ".join(ranking_lines(res)) or "no Table 2 column has two filled rows yet"
 
 
 def distillation_reading(res: dict) -> str:
@@ -382,8 +385,13 @@ def section_table2(res: dict) -> list[str]:
             f"**Missing ({sum(len(r) * len(c) for r, c in gaps)} of {len(ROWS) * len(COLUMNS)} cells):** "
             + ("; ".join(f"{', '.join(map(_label, rows))}: {where(cols)}" for rows, cols in gaps) or "none")
             + "." + why_missing(res) + notes,
-            "", f"**Reading.** Ranking of the paper's rows (`*` cells included): {ranking_summary(res)}. Per column: {ranking_reading(res)}. Distillation finding: "
-            f"{distillation_reading(res)}.{over_fedper_reading(res)} {swing_reading(res)}"]
+            "", "**Reading.**", "",
+            f"- Ranking of the paper's rows (`*` cells included): {ranking_summary(res)}.",
+            f"- Distillation finding: {distillation_reading(res)}.",
+            *([f"-{over_fedper_reading(res)}"] if over_fedper_reading(res) else []),
+            f"- {swing_reading(res)}",
+            "", "<details><summary>The rankings, column by column</summary>", "",
+            *(f"- {line}" for line in ranking_lines(res)), "", "</details>"]
 
 
 def section_ablation(res: dict) -> list[str]:
