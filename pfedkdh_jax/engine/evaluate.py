@@ -5,7 +5,9 @@
 (``personalized_*``, ``global_*``, extra heads), and, when the algorithm has a
 :class:`Personalization` and it is due (``always``, or asked for with ``personalize``), adapts every
 client's model first and scores the adapted models too (suffix ``_ea``) or instead (no suffix).
-Features are computed ``data.eval_chunk`` samples at a time with ``lax.map``.
+Features are computed ``data.eval_chunk`` samples at a time with ``lax.map``. A personalization on
+features adapts its clients grouped by the slots their batches need (:func:`feature_groups`), each
+group vmapped at its width, a large group a chunk of clients at a time.
 """
 
 from __future__ import annotations
