@@ -56,13 +56,13 @@ def feature_steps(p: Personalization, data: FederatedData) -> int:
     return max_local_steps(p.trainer, data)
 
 
-FEATURE_WIDTHS = (8, 16, 32)
+FEATURE_WIDTHS = (8, 16, 32)   # the narrow widths of a personalization on features (then a full batch)
 # A group of more than FEATURE_CHUNK_FROM clients runs FEATURE_CHUNK clients at a time (a ``lax.map``
 # over chunks, each vmapped): every chunk takes all its steps while its heads and batches stay in the
 # cache. Measured (BENCHMARKS.md, "pFedKDH-EA's head steps at each client's own width"): 10,000 clients
 # of 3–8 samples, 20 steps, 5.7 s vmapped at once, 2.9–3.0 s in chunks of 16–128; at 1,000 clients
 # (groups of a few hundred) chunks of 32–128 were 3–20 % slower than none.
-FEATURE_CHUNK, FEATURE_CHUNK_FROM = 128, 1024   # the narrow widths of a personalization on features (then a full batch)
+FEATURE_CHUNK, FEATURE_CHUNK_FROM = 128, 1024
 
 
 def feature_groups(trainer, data: FederatedData, clients: np.ndarray | None) -> list[tuple[np.ndarray, int | None]]:
