@@ -7,7 +7,7 @@
 client's model first and scores the adapted models too (suffix ``_ea``) or instead (no suffix).
 Features are computed ``data.eval_chunk`` samples at a time with ``lax.map``. A personalization on
 features adapts its clients grouped by the slots their batches need (:func:`feature_groups`), each
-group vmapped at its width, a large group a chunk of clients at a time.
+group vmapped at its width (with sequential clients, a large group a chunk of clients at a time).
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ def feature_steps(p: Personalization, data: FederatedData) -> int:
 
 
 FEATURE_WIDTHS = (8, 16, 32)   # the narrow widths of a personalization on features (then a full batch)
-# A group of more than FEATURE_CHUNK_FROM clients runs FEATURE_CHUNK clients at a time (a ``lax.map``
-# over chunks, each vmapped): every chunk takes all its steps while its heads and batches stay in the
-# cache. Measured (BENCHMARKS.md, "pFedKDH-EA's head steps at each client's own width"): 10,000 clients
+# With sequential clients (the CPU layout), a group of more than FEATURE_CHUNK_FROM clients runs
+# FEATURE_CHUNK clients at a time (a ``lax.map`` over chunks, each vmapped): every chunk takes all its
+# steps while its heads and batches stay in the cache (vmapped clients, an accelerator's layout, keep
+# one vmap: not measured there). Measured (BENCHMARKS.md, "pFedKDH-EA's head steps at each client's own width"): 10,000 clients
 # of 3–8 samples, 20 steps, 5.7 s vmapped at once, 2.9–3.0 s in chunks of 16–128; at 1,000 clients
 # (groups of a few hundred) chunks of 32–128 were 3–20 % slower than none.
 FEATURE_CHUNK, FEATURE_CHUNK_FROM = 128, 1024
@@ -128,7 +129,7 @@ class EvaluatePieces:
                 local = p.start(state, data, k, key)
                 return trainer.run_scan(local, None, data.train_flat_pos[k], source, steps).params
             c = FEATURE_CHUNK
-            if len(ids) <= max(c, FEATURE_CHUNK_FROM):
+            if self.layout.client_parallel != "sequential" or len(ids) <= max(c, FEATURE_CHUNK_FROM):
                 return jax.vmap(one)(jnp.asarray(ids))
             g = -(-len(ids) // c)
             padded = np.concatenate([ids, np.full(g * c - len(ids), ids[-1], ids.dtype)]).reshape(g, c)
