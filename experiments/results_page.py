@@ -372,7 +372,7 @@ def section_table2(res: dict) -> list[str]:
     gaps = missing(res)
     where = lambda cols: ("every cell" if cols == COLUMNS else "every Table 2 cell" if cols == COLUMNS[:6]  # noqa: E731
                           else ", ".join(map(col_name, cols)))
-    notes = "".join(f" {res[s]['meta']['note']}" for s in ("table2", "cifar10") if res[s]["meta"].get("note"))
+    notes = " ".join(res[s]["meta"]["note"] for s in ("table2", "cifar10") if res[s]["meta"].get("note"))
     return ["## Table 2 (MNIST, Fashion-MNIST) and Table 3's CIFAR-10 column, as reproduced",
             "Final round (50), %: ours, one seed (seed 0, data seed 0), then (the paper's mean ± std, gap = (ours − "
             "paper) / paper std); personalized macro accuracy, the global model's in the rows marked so. Study "
@@ -384,7 +384,8 @@ def section_table2(res: dict) -> list[str]:
                         [[_label(r)] + [cell_text(res, r, c) for c in COLUMNS] for r, _, _ in ROWS]), "",
             f"**Missing ({sum(len(r) * len(c) for r, c in gaps)} of {len(ROWS) * len(COLUMNS)} cells):** "
             + ("; ".join(f"{', '.join(map(_label, rows))}: {where(cols)}" for rows, cols in gaps) or "none")
-            + "." + why_missing(res) + notes,
+            + "." + why_missing(res),
+            *(["", f"**Cells that need a word** (the studies' notes): {notes}"] if notes else []),
             "", "**Reading.**", "",
             f"- Ranking of the paper's rows (`*` cells included): {ranking_summary(res)}.",
             f"- Distillation finding: {distillation_reading(res)}.",
