@@ -10,7 +10,7 @@ The estimate has four terms:
 * **updates**: the round's stacked client results (``ClientUpdate`` ``[C, ...]``, from
   ``jax.eval_shape`` of a client's start and finish; the largest over a method's phases) — the
   buffer the selected clients' uploads are written into, which dominates with a thousand clients a
-  round (1,130 MNIST backbones: 2.6 GB);
+  round (1,130 MNIST backbones: 2.6 GB); every repetition's when they are vmapped together;
 * **data**: the pool and index tables already on the device;
 * **local training**: XLA's own count of the temporary buffers of one training step of the model at
   the run's batch size (``memory_analysis`` of a compiled, never-run step: about a second once per
@@ -109,7 +109,8 @@ def estimate(cfg, algo, data, layout, batched_reps: bool) -> dict:
     shared = _tree_bytes(state) - per_client
     states = cfg.reps * (3 * shared + per_client + 2 * per_client * cfg.clients_per_round // data.num_clients)
     one_update = update_bytes(algo, state, data)
-    updates = cfg.reps * cfg.clients_per_round * one_update
+    # one buffer per round in flight: every repetition's when they are vmapped together, else one
+    updates = (cfg.reps if batched_reps else 1) * cfg.clients_per_round * one_update
     data_bytes = _tree_bytes(data)
     together = (cfg.clients_per_round if layout.client_parallel == "vmap" else 1) * (cfg.reps if batched_reps else 1)
     step = step_temp_bytes(data.num_classes, tuple(data.input_shape), cfg.batch_size) * together
@@ -138,9 +139,9 @@ def check(cfg, algo, data, layout, batched_reps: bool, available: int | None = N
         "states": (f"fewer --clients: {cfg.method} keeps {gb(est['per_client'])} per client "
                    f"(about {fit} clients fit)" if client_bound else
                    f"fewer --reps ({cfg.reps} states of {gb(est['states'] / cfg.reps)} each are held)"),
-        "updates": ("fewer --" + ("reps or --" if cfg.reps > 1 else "") + "clients-per-round (or a lower "
+        "updates": ("fewer --" + ("reps or --" if batched_reps else "") + "clients-per-round (or a lower "
                     f"--participation): each of the round's {cfg.clients_per_round} clients returns "
-                    f"{gb(est['per_update'])}" + (f" in each of {cfg.reps} repetitions" if cfg.reps > 1 else "")),
+                    f"{gb(est['per_update'])}" + (f" in each of {cfg.reps} repetitions" if batched_reps else "")),
         "local_training": (f"a smaller --batch-size ({cfg.batch_size})"
                            + (", --client-parallel sequential" if layout.client_parallel == "vmap" else "")
                            + (", --reps-mode sequential" if batched_reps else "")),
