@@ -55,3 +55,26 @@ def test_an_ordinary_run_passes(monkeypatch):
     est = preflight.check(cfg, algorithms.build(cfg, pool.num_classes), data, Layout().resolved(), False,
                           available=8 * GiB)
     assert est is not None and 0 < est["total"] < GiB
+
+
+def test_stacked_partitions_count_one_run_s_update_per_client_and_repetition():
+    """With partitions of several α stacked (a sweep's ``--stack``), a client's update is one run's:
+    the estimate takes it from a run's slice, C × R of them when the runs are vmapped together."""
+    import dataclasses
+
+    from pfedkdh_jax import algorithms
+    from pfedkdh_jax.data import make_partition
+    from pfedkdh_jax.data.device import build_federated_data, stack_partitions
+    from pfedkdh_jax.engine.layout import Layout
+    from pfedkdh_jax.run.config import make_config
+    from pfedkdh_jax.run.experiment import prepare_data
+
+    cfg = make_config("default")
+    pool, part, _ = prepare_data(cfg)
+    datas = [build_federated_data(pool, make_partition(pool.labels, num_clients=cfg.num_clients, alpha=a,
+                                                       aux_size=cfg.aux_size, seed=0)) for a in (0.1, 0.5)]
+    algo = algorithms.build(cfg, pool.num_classes)
+    one = preflight.estimate(cfg, algo, datas[0], Layout().resolved(), False)
+    both = preflight.estimate(dataclasses.replace(cfg, reps=2), algo, stack_partitions(datas), Layout().resolved(), True)
+    assert both["per_update"] == one["per_update"] > 0
+    assert both["updates"] == 2 * one["updates"] == 2 * cfg.clients_per_round * one["per_update"]

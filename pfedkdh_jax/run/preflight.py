@@ -89,8 +89,12 @@ def per_client_bytes(state, num_clients: int) -> int:
 
 def update_bytes(algo, state, data) -> int:
     """Bytes of one client's round result (its ``ClientUpdate``: parameters, loss, aux), the largest
-    over ``algo``'s phases; ``state`` as ``jax.eval_shape`` gives it (nothing is computed)."""
+    over ``algo``'s phases; ``state`` as ``jax.eval_shape`` gives it (nothing is computed). With stacked
+    partitions, one run's (every run's slice has one shape)."""
+    from pfedkdh_jax.data.device import run_slice
+
     key = jax.random.key(0)
+    data = run_slice(data, 0)
 
     def one(a):
         def result(s):
