@@ -309,6 +309,15 @@ class Algorithm:
         return (Phase(self),)
 
 
+def client_update_shape(algo: Algorithm, state, data, key: jax.Array) -> ClientUpdate:
+    """The shapes of one client's round result under ``algo`` (client 0's :class:`ClientUpdate`, leaves
+    ``jax.ShapeDtypeStruct``; nothing is computed: ``jax.eval_shape``); ``state`` concrete or shapes."""
+    def result(s):
+        k0 = jnp.zeros((), jnp.int32)
+        return algo.client_finish(s, data, k0, algo.client_start(s, data, k0, key), key)
+    return jax.eval_shape(result, state)
+
+
 def message_bytes(algorithm: Algorithm, data, key: jax.Array) -> dict | None:
     """Bytes one selected client downloads and uploads in a round of ``algorithm``, from the shapes of
     its :meth:`Algorithm.messages` (nothing is computed: ``jax.eval_shape``); per phase for a method of
@@ -316,11 +325,7 @@ def message_bytes(algorithm: Algorithm, data, key: jax.Array) -> dict | None:
     state = jax.eval_shape(lambda k: algorithm.init(k, data), key)
 
     def count(algo: Algorithm):
-        def messages(s):
-            k0 = jax.numpy.zeros((), jax.numpy.int32)
-            local = algo.client_start(s, data, k0, key)
-            return algo.messages(s, algo.client_finish(s, data, k0, local, key))
-        shapes = jax.eval_shape(messages, state)
+        shapes = jax.eval_shape(algo.messages, state, client_update_shape(algo, state, data, key))
         if shapes is None:
             return None
         size = lambda t: int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(t)))  # noqa: E731

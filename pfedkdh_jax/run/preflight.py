@@ -92,16 +92,10 @@ def update_bytes(algo, state, data) -> int:
     over ``algo``'s phases; ``state`` as ``jax.eval_shape`` gives it (nothing is computed). With stacked
     partitions, one run's (every run's slice has one shape)."""
     from pfedkdh_jax.data.device import run_slice
+    from pfedkdh_jax.engine.protocol import client_update_shape
 
-    key = jax.random.key(0)
-    data = run_slice(data, 0)
-
-    def one(a):
-        def result(s):
-            k0 = jnp.zeros((), jnp.int32)
-            return a.client_finish(s, data, k0, a.client_start(s, data, k0, key), key)
-        return _tree_bytes(jax.eval_shape(result, state))
-    return max(one(p.algorithm) for p in algo.phases)
+    one = run_slice(data, 0)
+    return max(_tree_bytes(client_update_shape(p.algorithm, state, one, jax.random.key(0))) for p in algo.phases)
 
 
 def estimate(cfg, algo, data, layout, batched_reps: bool) -> dict:
