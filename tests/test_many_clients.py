@@ -1,6 +1,8 @@
 """Many small clients: steps of a client smaller than a batch compute only its size (rounded up to
 ``Layout.slot_granule``), with the numbers of full-batch steps."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -269,3 +271,39 @@ def test_a_personalization_on_features_adapts_small_clients_on_narrow_widths_as_
     moved = jax.tree_util.tree_map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).reshape(12, -1).max(1),
                                    grouped, start)
     assert all((m > 1e-4).all() for m in jax.tree_util.tree_leaves(moved))
+
+
+@pytest.mark.parametrize("name", ["fedper", "pfedkdh"])
+def test_uploads_summed_as_they_come_give_the_stacked_rounds(tiny, name, monkeypatch):
+    """A method that splits its uploads (``mean_upload``) runs its sequential rounds on a running sum
+    per device: the rounds equal those of the same method given the stacked updates (its own
+    ``server_update``) to float32 rounding, also with the clients spread over two devices (here one
+    device twice) and with a round of one client, where a device has none; only the rests (heads,
+    losses) are stacked."""
+    from pfedkdh_jax.engine import runner as runner_module
+    from pfedkdh_jax.engine.protocol import Algorithm, splits_uploads
+    _, _, data = tiny
+    algo = algorithms.build(make_config("smoke", method=name, rounds=2), data.num_classes)
+
+    class Stacked(type(algo)):
+        def server_update(self, *args):   # a server step of its own: the runner stacks the updates
+            return Algorithm.server_update(self, *args)
+    stacked = Stacked(**{f.name: getattr(algo, f.name) for f in dataclasses.fields(algo)})
+    assert splits_uploads(algo) and not splits_uploads(stacked)
+    monkeypatch.setattr(runner_module.jax, "local_devices", lambda **kw: jax.devices()[:1] * 2)
+    results = []
+    for a, devices in ((stacked, 1), (algo, 1), (algo, 2)):
+        runner = RoundRunner(a, data, Layout("sequential", "unrolled", chunk_steps=2, client_devices=devices))
+        state = a.init(jax.random.key(0), data)
+        for t, sel in enumerate([np.array([0, 1, 3]), np.array([2]), np.array([3, 1])]):
+            state, metrics = runner.round(state, data, sel, jax.random.key(10 + t))
+        results.append((state, metrics))
+        assert ("mean_add" in runner.traces) == (a is algo), runner.traces
+        if a is algo:   # a client's addition is one program whatever the round's number of clients
+            assert runner.traces["mean_add"] == runner.traces["mean_first"] == 1, runner.traces
+        if a is algo:   # the buffer holds the rests only: no backbone rows
+            rows = jax.tree_util.tree_leaves(runner._rows._buf)
+            assert sum(x.size for x in rows) < 0.1 * sum(x.size for x in jax.tree_util.tree_leaves(state.backbone))
+    for other in results[1:]:
+        for x, y in zip(jax.tree_util.tree_leaves(results[0]), jax.tree_util.tree_leaves(other)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)

@@ -2,6 +2,7 @@
 
 import time
 
+import jax
 import pytest
 
 from pfedkdh_jax.run import preflight
@@ -21,8 +22,10 @@ def eight_gib(monkeypatch):
     (["--batch-size", "20000", "--client-parallel", "vmap"], "--client-parallel sequential"),
     # Ditto keeps a personal model per client: 300 clients of the digits set at 64 MiB available
     (["--method", "ditto", "--clients", "300", "--min-client-samples", "2"], "fewer --clients: ditto keeps"),
-    # every one of 300 clients a round: the round's 300 uploaded models, not any state, are what is large
-    (["--clients", "300", "--participation", "1", "--min-client-samples", "2"], "fewer --clients-per-round"),
+    # every one of 300 clients a round, vmapped: the round's 300 uploaded models, not any state, are what is
+    # large (sequential clients would hold one running sum of the backbones per device instead)
+    (["--clients", "300", "--participation", "1", "--min-client-samples", "2", "--client-parallel", "vmap",
+      "--batch-size", "2"], "fewer --clients-per-round"),
 ])
 def test_runs_that_cannot_fit_stop_with_one_line(flags, advice, eight_gib, tmp_path, capsys, monkeypatch):
     if "--clients" in flags:
@@ -77,4 +80,34 @@ def test_stacked_partitions_count_one_run_s_update_per_client_and_repetition():
     one = preflight.estimate(cfg, algo, datas[0], Layout().resolved(), False)
     both = preflight.estimate(dataclasses.replace(cfg, reps=2), algo, stack_partitions(datas), Layout().resolved(), True)
     assert both["per_update"] == one["per_update"] > 0
-    assert both["updates"] == 2 * one["updates"] == 2 * cfg.clients_per_round * one["per_update"]
+    assert both["updates"] == 2 * one["updates"] > 2 * cfg.clients_per_round * one["per_update"]
+
+
+def test_a_method_that_averages_its_uploads_as_they_come_holds_its_rests_and_one_sum_per_device():
+    """With sequential clients, FedPer's round keeps each client's head and loss and one running sum
+    of the backbone per device (plus the client in flight); vmapped clients, and a method that stores
+    the uploads (FedALA), keep every client's whole update."""
+    import dataclasses
+
+    from pfedkdh_jax import algorithms
+    from pfedkdh_jax.data.device import build_federated_data
+    from pfedkdh_jax.engine.layout import Layout
+    from pfedkdh_jax.run.config import make_config
+    from pfedkdh_jax.run.experiment import prepare_data
+
+    cfg = make_config("default", method="fedper", num_clients=40, per_round=30)
+    pool, part, _ = prepare_data(cfg)
+    data = build_federated_data(pool, part)
+    algo = algorithms.build(cfg, pool.num_classes)
+    state = jax.eval_shape(lambda k: algo.init(k, data), jax.random.key(0))
+    backbone, head = (preflight._tree_bytes(state.backbone), preflight._tree_bytes(state.heads) // 40)
+    loss = 4
+    seq = preflight.estimate(cfg, algo, data, Layout("sequential", "unrolled", client_devices=2), False)
+    assert seq["per_update"] == head + loss
+    assert seq["updates"] == 30 * (head + loss) + 3 * backbone
+    vm = preflight.estimate(cfg, algo, data, Layout("vmap", "scan", client_devices=1), False)
+    assert vm["updates"] == 30 * (backbone + head + loss)
+    ala = dataclasses.replace(cfg, method="fedala")
+    est = preflight.estimate(ala, algorithms.build(ala, pool.num_classes), data,
+                             Layout("sequential", "unrolled", client_devices=2), False)
+    assert est["updates"] == 30 * est["per_update"] > 30 * (backbone + head)

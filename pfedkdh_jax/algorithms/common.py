@@ -20,7 +20,7 @@ from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms.configs import LocalConfig
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
-from pfedkdh_jax.engine.protocol import Model, init_params as _init_params, logits
+from pfedkdh_jax.engine.protocol import Model, init_params as _init_params, logits, sample_mean
 from pfedkdh_jax.model import CNN
 
 PyTree = Any
@@ -158,10 +158,7 @@ def put(tree: PyTree, clients: jax.Array, rows: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda x, r: x.at[clients].set(r), tree, rows)
 
 
-def weighted_average(trees: PyTree, weights: jax.Array) -> PyTree:
-    """``Σ_c w_c · tree_c / Σ_c w_c`` over the leading axis ``[C, ...]`` of every leaf."""
-    w = weights.astype(jnp.float32) / jnp.sum(weights.astype(jnp.float32))
-    return jax.tree_util.tree_map(lambda x: jnp.tensordot(w, x, axes=1), trees)
+weighted_average = sample_mean   # Σ_c w_c · tree_c / Σ_c w_c over the leading axis [C, ...]
 
 
 def average_uploads(uploads: PyTree, data: FederatedData, selected: jax.Array) -> PyTree:

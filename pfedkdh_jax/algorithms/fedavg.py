@@ -61,13 +61,16 @@ class FedAvg(Algorithm):
         return C.start_local(self.trainer, {"backbone": state.backbone, "head": state.head}, data, client, key)
 
     # ------------------------------------------------------------------------------ server side
-    def server_update(self, state: C.SharedModelState, data: FederatedData, selected: jax.Array,
-                      updates: ClientUpdate, key: jax.Array) -> tuple[C.SharedModelState, dict]:
-        """w_g ← Σ n_k w_k / Σ n_k over the uploaded full models."""
-        del key
-        params = C.average_uploads(updates.params, data, selected)
-        return (state.replace(backbone=params["backbone"], head=params["head"], round=state.round + 1),
-                C.round_metrics(updates))
+    def mean_upload(self, update: ClientUpdate):
+        """The whole model is averaged; the loss is the rest."""
+        return update.params, update.replace(params=None)
+
+    def server_update_from_mean(self, state: C.SharedModelState, data: FederatedData, selected: jax.Array,
+                                mean, rest: ClientUpdate, key: jax.Array) -> tuple[C.SharedModelState, dict]:
+        """w_g ← Σ n_k w_k / Σ n_k over the uploaded full models (``mean``)."""
+        del data, selected, key
+        return (state.replace(backbone=mean["backbone"], head=mean["head"], round=state.round + 1),
+                C.round_metrics(rest))
 
     # ------------------------------------------------------------------------------- evaluation
     def eval_models(self, state: C.SharedModelState) -> EvalModels:

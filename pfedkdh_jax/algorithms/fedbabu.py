@@ -69,12 +69,15 @@ class FedBABU(FedAvg):
         """The body down and up; the frozen head is φ⁰ everywhere and never sent."""
         return state.backbone, update.params["backbone"]
 
-    def server_update(self, state: C.SharedModelState, data: FederatedData, selected: jax.Array,
-                      updates: ClientUpdate, key: jax.Array) -> tuple[C.SharedModelState, dict]:
-        """θ_g ← Σ n_k θ_k / Σ n_k; the head is not uploaded (it is φ⁰ everywhere)."""
-        del key
-        backbone = C.average_uploads(updates.params["backbone"], data, selected)
-        return state.replace(backbone=backbone, round=state.round + 1), C.round_metrics(updates)
+    def mean_upload(self, update: ClientUpdate):
+        """The body is averaged; the head is not uploaded (it is φ⁰ everywhere)."""
+        return update.params["backbone"], update.replace(params=None)
+
+    def server_update_from_mean(self, state: C.SharedModelState, data: FederatedData, selected: jax.Array,
+                                mean, rest: ClientUpdate, key: jax.Array) -> tuple[C.SharedModelState, dict]:
+        """θ_g ← Σ n_k θ_k / Σ n_k (``mean``)."""
+        del data, selected, key
+        return state.replace(backbone=mean, round=state.round + 1), C.round_metrics(rest)
 
     @property
     def personalization(self) -> Personalization | None:

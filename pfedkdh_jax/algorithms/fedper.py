@@ -62,13 +62,16 @@ class FedPer(Algorithm):
         return C.start_local(self.trainer, params, data, client, key)
 
     # ------------------------------------------------------------------------------ server side
-    def server_update(self, state: C.PersonalHeadsState, data: FederatedData, selected: jax.Array,
-                      updates: ClientUpdate, key: jax.Array) -> tuple[C.PersonalHeadsState, dict]:
-        """Each selected head stays with its client; the uploaded bases are averaged."""
-        del key
-        heads = C.put(state.heads, selected, updates.params["head"])
-        backbone = C.average_uploads(updates.params["backbone"], data, selected)  # the only upload
-        return state.replace(backbone=backbone, heads=heads, round=state.round + 1), C.round_metrics(updates)
+    def mean_upload(self, update: ClientUpdate):
+        """The base (the only upload) is averaged; the head stays with its client."""
+        return update.params["backbone"], update.replace(params={"head": update.params["head"]})
+
+    def server_update_from_mean(self, state: C.PersonalHeadsState, data: FederatedData, selected: jax.Array,
+                                mean, rest: ClientUpdate, key: jax.Array) -> tuple[C.PersonalHeadsState, dict]:
+        """Each selected head stays with its client; the bases' mean (``mean``) is the new base."""
+        del data, key
+        heads = C.put(state.heads, selected, rest.params["head"])
+        return state.replace(backbone=mean, heads=heads, round=state.round + 1), C.round_metrics(rest)
 
     # ------------------------------------------------------------------------------- evaluation
     def eval_models(self, state: C.PersonalHeadsState) -> EvalModels:

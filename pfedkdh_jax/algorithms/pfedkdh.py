@@ -221,21 +221,26 @@ class PFedKDH(Algorithm):
         return C.start_local(self.trainer, params, data, client, key, aux=aux)
 
     # ------------------------------------------------------------------------------ server side
-    def server_update(self, state: PFedKDHState, data: FederatedData, selected: jax.Array,
-                      updates: ClientUpdate, key: jax.Array) -> tuple[PFedKDHState, dict]:
-        """Keep each selected head with its client; average the uploaded backbones; refit φ_g."""
+    def mean_upload(self, update: ClientUpdate):
+        """The backbone is averaged (the only thing that leaves a client), the head stays with its
+        client; in the ablation without persistent heads the heads are averaged too."""
         if self.config.persistent_heads:
-            heads = C.put(state.heads, selected, updates.params["head"])
+            return update.params["backbone"], update.replace(params={"head": update.params["head"]})
+        return update.params, update.replace(params=None)
+
+    def server_update_from_mean(self, state: PFedKDHState, data: FederatedData, selected: jax.Array,
+                                mean, rest: ClientUpdate, key: jax.Array) -> tuple[PFedKDHState, dict]:
+        """Keep each selected head with its client; the backbones' mean is θ_g; refit φ_g."""
+        if self.config.persistent_heads:
+            backbone, heads = mean, C.put(state.heads, selected, rest.params["head"])
         else:  # ablation: the heads are aggregated like the backbone
-            mean_head = C.weighted_average(updates.params["head"], data.train_n[selected])
+            backbone = mean["backbone"]
             heads = jax.tree_util.tree_map(lambda all_h, h: jnp.broadcast_to(h, all_h.shape),
-                                           state.heads, mean_head)
-        upload = updates.params["backbone"]  # the only thing that leaves a client (with persistent heads)
-        backbone, teacher_head, teacher_loss = self.aggregate(
-            state, upload, data.train_n[selected], data, jax.random.fold_in(key, data.num_clients))
+                                           state.heads, mean["head"])
+        teacher_head, teacher_loss = self.refit(state, backbone, data, jax.random.fold_in(key, data.num_clients))
         finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in
                                     jax.tree_util.tree_leaves((backbone, teacher_head))]))
-        metrics = {**C.round_metrics(updates), "teacher_loss": teacher_loss,
+        metrics = {**C.round_metrics(rest), "teacher_loss": teacher_loss,
                    "finite_params": finite.astype(jnp.float32)}
         return state.replace(backbone=backbone, teacher_head=teacher_head, heads=heads,
                              round=state.round + 1), metrics
@@ -244,9 +249,13 @@ class PFedKDH(Algorithm):
                   data: FederatedData, key: jax.Array):
         """Server step from the uploads alone: θ_g ← Σ n_k θ_k / Σ n_k, then refit φ_g on D_s."""
         backbone = C.weighted_average(uploads, weights)
+        return (backbone, *self.refit(state, backbone, data, key))
+
+    def refit(self, state: PFedKDHState, backbone: PyTree, data: FederatedData, key: jax.Array):
+        """``(φ_g, loss)``: the teacher head refit on D_s over the features of the new ``backbone``
+        (from the last round's head, or from its initial one)."""
         start = state.teacher_head if self.config.teacher_warm_start else state.init_head
-        teacher_head, loss = self.refit_teacher(backbone, start, data, key)
-        return backbone, teacher_head, loss
+        return self.refit_teacher(backbone, start, data, key)
 
     def refit_teacher(self, backbone: PyTree, head: PyTree, data: FederatedData, key: jax.Array):
         """Head-only SGD on D_s over features of the frozen backbone (computed once)."""

@@ -20,29 +20,39 @@ through these three functions (and :func:`logits`), so every method works with a
 **The method** (:class:`Algorithm`). A method is a frozen dataclass deriving from :class:`Algorithm` that holds static hyperparameters
 only (never parameters) and supplies pure functions of explicit state and keys:
 
-=====================  ==================================================================  ============
-piece                  what it is                                                          default
-=====================  ==================================================================  ============
-``init``               ``(key, data) -> state``: server state and every client's state     –
-``before_training``    ``(state, data, key, train) -> state``: once before round 0; the    unchanged
-                       ``train`` service runs a local problem with the engine's layout
-``trainer``            the local problem (:class:`~pfedkdh_jax.engine.local.LocalTrainer`)  –
-``context``            ``(state) -> ctx``: what every selected client receives              ``None``
-``client_start``       ``(state, data, k, key) -> LocalState``: client k's starting point  –
-``local_samples``      ``n_k -> samples`` client k visits per epoch (host ints, static)    ``n_k``
-``client_finish``      ``(state, data, k, local, key) -> ClientUpdate``: what the round    params, loss,
-                       produced at client k (what it uploads and what it keeps)            ``local.aux``
-``server_update``      ``(state, data, selected, updates [C], key) -> (state, metrics)``   –
-``eval_models``        ``(state) -> EvalModels``: what an evaluation scores                 –
-``personalization``    evaluation-time adaptation (:class:`Personalization`) the engine    ``None``
-                       runs for every client before scoring, or ``None``
-``messages``           ``(state, update) -> (download, upload)``: what one selected client     ``None``
-                       receives and sends in a round (counted in bytes, never transferred)
-``phases``             consecutive phases of rounds, each run by an algorithm of its own   one: itself
-                       on the same state (:class:`Phase`; FedFed's two phases)
-``with_hparams``       ``(values) -> Algorithm``: the method with some config fields       ``config``
-                       replaced by traced scalars (stacked runs of other values)           replaced
-=====================  ==================================================================  ============
+===========================  ==================================================================  ============
+piece                        what it is                                                          default
+===========================  ==================================================================  ============
+``init``                     ``(key, data) -> state``: server state and every client's state     –
+``before_training``          ``(state, data, key, train) -> state``: once before round 0; the    unchanged
+                             ``train`` service runs a local problem with the engine's layout
+``trainer``                  the local problem (:class:`~pfedkdh_jax.engine.local.LocalTrainer`)  –
+``context``                  ``(state) -> ctx``: what every selected client receives              ``None``
+``client_start``             ``(state, data, k, key) -> LocalState``: client k's starting point  –
+``local_samples``            ``n_k -> samples`` client k visits per epoch (host ints, static)    ``n_k``
+``client_finish``            ``(state, data, k, local, key) -> ClientUpdate``: what the round    params, loss,
+                             produced at client k (what it uploads and what it keeps)            ``local.aux``
+``server_update``            ``(state, data, selected, updates [C], key) -> (state, metrics)``   see below
+``mean_upload``              ``(update) -> (averaged, rest)``: what of one client's update the    ``None``
+                             server uses only through its sample-weighted mean, and the rest
+``server_update_from_mean``  ``(state, data, selected, mean, rest [C], key) -> (state,          –
+                             metrics)``: the server step given that mean (methods that split)
+``eval_models``              ``(state) -> EvalModels``: what an evaluation scores                 –
+``personalization``          evaluation-time adaptation (:class:`Personalization`) the engine    ``None``
+                             runs for every client before scoring, or ``None``
+``messages``                 ``(state, update) -> (download, upload)``: what one selected client     ``None``
+                             receives and sends in a round (counted in bytes, never transferred)
+``phases``                   consecutive phases of rounds, each run by an algorithm of its own   one: itself
+                             on the same state (:class:`Phase`; FedFed's two phases)
+``with_hparams``             ``(values) -> Algorithm``: the method with some config fields       ``config``
+                             replaced by traced scalars (stacked runs of other values)           replaced
+===========================  ==================================================================  ============
+
+A method whose server averages (part of) the uploads weighted by the clients' sample counts (FedAvg's
+whole model, FedPer's backbone) says so with ``mean_upload`` and writes ``server_update_from_mean``;
+its ``server_update`` is then that step on the mean of the stacked uploads (:func:`sample_mean`), and the
+engine's host loop may instead form the mean as the clients finish, a running sum on each device, and
+never hold the C uploads at once (:func:`splits_uploads`).
 
 Leading axes: per-client pytrees in the state are ``[K, ...]``; ``updates`` and the selected clients'
 local states are stacked ``[C, ...]``. The engine adds a repetition axis ``[R, ...]`` in front of
@@ -270,6 +280,28 @@ class Algorithm:
     # ----------------------------------------------------------------------------- server side
     def server_update(self, state: PyTree, data, selected: jax.Array, updates: ClientUpdate,
                       key: jax.Array) -> tuple[PyTree, dict]:
+        """The server step on the selected clients' stacked updates ``[C, ...]``. Default, for a method
+        that splits its uploads (:meth:`mean_upload`): :meth:`server_update_from_mean` on the
+        sample-weighted mean of the averaged parts (a method that splits does not override this)."""
+        if type(self).mean_upload is Algorithm.mean_upload:
+            raise NotImplementedError(f"{type(self).__name__} defines neither server_update nor mean_upload")
+        averaged, rest = jax.vmap(self.mean_upload)(updates)
+        return self.server_update_from_mean(state, data, selected, sample_mean(averaged, data.train_n[selected]),
+                                            rest, key)
+
+    def mean_upload(self, update: ClientUpdate) -> tuple[PyTree, ClientUpdate] | None:
+        """``(averaged, rest)`` of one client's update (unstacked): ``averaged`` is what the server uses
+        only through its mean over the selected clients weighted by their train samples
+        (``Σ n_k x_k / Σ n_k``, ``n_k = data.train_n[k]``), ``rest`` a :class:`ClientUpdate` of what
+        else it reads (a kept head, the loss). Default ``None``: the method does not split (it writes
+        :meth:`server_update`)."""
+        del update
+        return None
+
+    def server_update_from_mean(self, state: PyTree, data, selected: jax.Array, mean: PyTree,
+                                rest: ClientUpdate, key: jax.Array) -> tuple[PyTree, dict]:
+        """The server step of a method that splits its uploads: ``mean`` (no client axis) is the
+        sample-weighted mean of the averaged parts, ``rest`` the stacked rests ``[C, ...]``."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------ evaluation
@@ -307,6 +339,21 @@ class Algorithm:
     def phases(self) -> tuple[Phase, ...]:
         """The phases of a run, in order. Default: one, this algorithm for every round."""
         return (Phase(self),)
+
+
+def splits_uploads(algo: Algorithm) -> bool:
+    """Whether ``algo`` splits its uploads into a sample-weighted mean and a rest: it overrides
+    :meth:`Algorithm.mean_upload` and keeps the default :meth:`Algorithm.server_update` (a subclass
+    that writes its own ``server_update`` is given the stacked updates, whatever it inherits)."""
+    cls = type(algo)
+    return cls.mean_upload is not Algorithm.mean_upload and cls.server_update is Algorithm.server_update
+
+
+def sample_mean(trees: PyTree, weights: jax.Array) -> PyTree:
+    """``Σ_c w_c · tree_c / Σ_c w_c`` over the leading axis ``[C, ...]`` of every leaf (``weights [C]``,
+    e.g. the clients' train sample counts)."""
+    w = weights.astype(jnp.float32) / jnp.sum(weights.astype(jnp.float32))
+    return jax.tree_util.tree_map(lambda x: jnp.tensordot(w, x, axes=1), trees)
 
 
 def client_update_shape(algo: Algorithm, state, data, key: jax.Array) -> ClientUpdate:

@@ -10,7 +10,10 @@ synchronisation:
 * ``sequential``: the same client by client, with one compiled function per piece reused by every
   client (a client of a few steps in one call, ``Layout.fused_steps``), then the updates stacked for
   the server; with ``client_devices`` > 1 (and no mesh) the
-  clients are spread over that many local devices, which work at the same time (:class:`_Spread`);
+  clients are spread over that many local devices, which work at the same time (:class:`_Spread`).
+  For a method that splits its uploads (:func:`~pfedkdh_jax.engine.protocol.splits_uploads`) only
+  the rests are stacked: each device adds its clients' averaged parts, weighted, into a running sum as
+  they finish (:class:`_Means`), and the server step is given their mean;
 * ``vmap`` + ``scan`` with ``lanes``: one compiled call whose local work, of every repetition at once,
   is packed into lanes (:mod:`pfedkdh_jax.engine.packing`).
 
@@ -38,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pfedkdh_jax.engine.protocol import Algorithm
+from pfedkdh_jax.engine.protocol import Algorithm, splits_uploads
 from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
@@ -286,16 +289,22 @@ class _ClientCalls:
         return self._drive(self.start_all, True, self.finish_all, state, ctx, data, sel, clients, key)
 
     def run_each(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place,
-                 spread: "_Spread | None" = None):
+                 spread: "_Spread | None" = None, consume=None):
         """Every one of ``clients`` one after another (one per repetition at a time with ``[R, C]``);
-        with ``spread``, one after another on each of its devices (results on the first)."""
+        with ``spread``, one after another on each of its devices (results on the first).
+        ``consume(result, device, data, sel)``, if given, takes each result where it was made (device
+        index, that device's data and selection) as soon as it is dispatched; its return values, on
+        the first device, are the results then."""
         clients = np.asarray(clients)
         drive = lambda st, cx, dt, sel, c, k, plan=None: self._drive(  # noqa: E731
             self.start_one, False, self.finish_one, st, cx, dt, sel, c, k, plan)
         cols = range(clients.shape[-1])
         if spread is None:   # lazily: each result can be consumed (written into a buffer) as it comes
-            return (drive(state, ctx, data, place(jnp.asarray(clients[..., c], jnp.int32)), clients[..., c], key)
-                    for c in cols)
+            def one(c):
+                sel = place(jnp.asarray(clients[..., c], jnp.int32))
+                out = drive(state, ctx, data, sel, clients[..., c], key)
+                return out if consume is None else consume(out, 0, data, sel)
+            return (one(c) for c in cols)
         plans = [self.calls(clients[..., c], data) for c in cols]
         where, order = spread.assign([self.plan_steps(p) for p in plans])
         copies = spread.copies(state, ctx, key)
@@ -305,6 +314,8 @@ class _ClientCalls:
             i = where[c]
             (st, cx, k), sel = copies[i], jax.device_put(np.asarray(clients[..., c], np.int32), spread.devices[i])
             outs[c] = drive(st, cx, datas[i], sel, clients[..., c], k, plans[c])
+            if consume is not None:
+                outs[c] = consume(outs[c], i, datas[i], sel)
         return [o if where[c] == 0 else jax.device_put(o, spread.devices[0]) for c, o in enumerate(outs)]
 
 
@@ -346,6 +357,65 @@ class _Rows:
         if self.keep:
             self._buf, self._spec = buf, spec
         return buf
+
+
+class _Means:
+    """A round's sample-weighted mean of the selected clients' averaged parts, formed as they finish
+    (for a method that splits its uploads): each device keeps a running sum ``Σ n_k x_k`` and ``Σ n_k``
+    (float32, or wider leaves' own dtype), each client's averaged part added into it in place (donated)
+    and then dropped, so that a round holds one sum per device and the stacked rests instead of C
+    whole uploads; at the end the devices' sums go to the first device, where the server step's call
+    adds them and divides (one program whatever the number of devices). The order of the additions
+    differs from the stacked mean's (:func:`~pfedkdh_jax.engine.protocol.sample_mean`), so the two agree
+    to float32 rounding."""
+
+    def __init__(self, compiled, d, devices: int):
+        def split(a, update, data, sel):
+            part, rest = a.mean_upload(update)
+            w = data.train_n[sel].astype(jnp.float32)
+            wide = lambda x: jnp.promote_types(x.dtype, jnp.float32)  # noqa: E731
+            total = jax.tree_util.tree_map(lambda x: w.astype(wide(x)) * x.astype(wide(x)), part)
+            like = jax.tree_util.tree_map(lambda x: jnp.zeros((0,), x.dtype), part)   # the parts' dtypes
+            return (total, w, like), rest
+
+        def add(a, acc, update, data, sel):
+            (total, w, like), rest = split(a, update, data, sel)
+            return (jax.tree_util.tree_map(jnp.add, acc[0], total), acc[1] + w, like), rest
+
+        def server(a, state, data, sel, sums, rest, key):   # sums: one (total, w, like) per device
+            total = jax.tree_util.tree_map(lambda *xs: functools.reduce(jnp.add, xs), *[s[0] for s in sums])
+            w, like = sum(s[1] for s in sums), sums[0][2]
+            mean = jax.tree_util.tree_map(lambda s, z: (s / w).astype(z.dtype), total, like)
+            return a.server_update_from_mean(state, data, sel, mean, rest, key)
+        # the sums' shapes (traced, never run: every client, the first on a device too, is one call of
+        # mean_add on a sum that starts at zeros, so the pieces run are the same on any number of devices)
+        self._first = compiled("mean_first", lambda a: functools.partial(split, a), (0, d, 0))
+        self._shapes = None
+        self._add = compiled("mean_add", lambda a: functools.partial(add, a), (0, 0, d, 0), donate=0)
+        self.server = compiled("server_update_from_mean", lambda a: functools.partial(server, a),
+                               (0, d, 0, 0, 0, 0))
+        self.devices = devices
+        self._sums: dict[int, Any] = {}
+
+    def consume(self, update, device: int, data, sel):
+        """Add ``update``'s averaged part into ``device``'s sum; its rest is returned."""
+        acc = self._sums.get(device)
+        if acc is None:   # zeros, placed as the update is
+            if self._shapes is None:
+                self._shapes = jax.eval_shape(self._first, update, data, sel)[0]
+            where = jax.tree_util.tree_leaves(update)[0].sharding
+            acc = jax.tree_util.tree_map(lambda s: jax.device_put(jnp.zeros(s.shape, s.dtype), where), self._shapes)
+        self._sums[device], rest = self._add(acc, update, data, sel)
+        return rest
+
+    def sums(self, first_device):
+        """Every device's sum (the round's clients all consumed), on ``first_device``: a tuple of one
+        per device, a device that had no client adding zeros; then reset for the next round."""
+        got, self._sums = self._sums, {}
+        if first_device is not None:
+            got = {i: jax.device_put(s, first_device) for i, s in got.items()}
+        zero = jax.tree_util.tree_map(jnp.zeros_like, got[min(got)]) if len(got) < self.devices else None
+        return tuple(got.get(i, zero) for i in range(self.devices))
 
 
 class _Spread:
@@ -415,10 +485,11 @@ class RoundRunner:
         train_options = local_training_compiler_options()
         layout = self.layout
 
-        def compiled(name, make, axes, steps=False):
+        def compiled(name, make, axes, steps=False, donate=None):
             """``make(algo)`` jitted (and vmapped over repetitions, ``axes`` saying which arguments
             carry the axis; with ``hparams`` each repetition's algorithm is rebuilt from its values);
-            pieces that take local SGD steps compile with the local-training options."""
+            pieces that take local SGD steps compile with the local-training options; ``donate``:
+            the index of an argument whose buffers the call may reuse."""
             if hparams is None:
                 fn, in_axes = make(algo), axes
             else:
@@ -431,7 +502,8 @@ class RoundRunner:
             def wrapper(*args):
                 self.traces[name] += 1
                 return fn(*args)
-            jitted = jax.jit(wrapper, compiler_options=train_options if steps else None)
+            donated = () if donate is None else (donate + (hparams is not None),)
+            jitted = jax.jit(wrapper, compiler_options=train_options if steps else None, donate_argnums=donated)
             return jitted if hparams is None else functools.partial(jitted, self.place(hparams))
 
         # --- rounds
@@ -441,6 +513,9 @@ class RoundRunner:
                                      None if workload is None else workload.visits(k))
         self._context = compiled("context", lambda a: a.context, (0,))
         self._server = compiled("server_update", lambda a: a.server_update, (0, d, 0, 0, 0))
+        # sequential clients of a method that splits its uploads: a running mean instead of C uploads
+        self._means = (_Means(compiled, d, 1 if self.spread is None else len(self.spread.devices))
+                       if splits_uploads(algo) and layout.client_parallel == "sequential" else None)
         # sequential clients: each one's upload written in place into one [C, ...] buffer as it comes
         self._rows = _Rows(axis=0 if reps is None else 1)
         self._personal_rows = _Rows(axis=0 if reps is None else 1, keep=False)
@@ -514,6 +589,11 @@ class RoundRunner:
         ctx = self._context(state)
         if self.layout.client_parallel == "vmap":
             updates = self._clients.run_all(state, ctx, data, selected, key, self.place)
+        elif self._means is not None:   # only the rests are stacked; the averaged parts summed as they come
+            rests = self._rows.stack(self._clients.run_each(state, ctx, data, selected, key, self.place,
+                                                            self.spread, self._means.consume), selected.shape[-1])
+            first = None if self.spread is None else self.spread.devices[0]
+            return self._means.server(state, data, sel, self._means.sums(first), rests, key)
         else:
             updates = self._rows.stack(self._clients.run_each(state, ctx, data, selected, key, self.place,
                                                               self.spread), selected.shape[-1])

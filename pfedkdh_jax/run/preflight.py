@@ -10,7 +10,9 @@ The estimate has four terms:
 * **updates**: the round's stacked client results (``ClientUpdate`` ``[C, ...]``, from
   ``jax.eval_shape`` of a client's start and finish; the largest over a method's phases) — the
   buffer the selected clients' uploads are written into, which dominates with a thousand clients a
-  round (1,130 MNIST backbones: 2.6 GB); every repetition's when they are vmapped together;
+  round (1,130 MNIST backbones: 2.6 GB); every repetition's when they are vmapped together. For a
+  method that splits its uploads, with sequential clients, only the rests are stacked (C of them) and
+  the averaged part is held once per device's running sum, plus the client in flight;
 * **data**: the pool and index tables already on the device;
 * **local training**: XLA's own count of the temporary buffers of one training step of the model at
   the run's batch size (``memory_analysis`` of a compiled, never-run step: about a second once per
@@ -87,15 +89,27 @@ def per_client_bytes(state, num_clients: int) -> int:
                    if x.ndim and x.shape[0] == num_clients))
 
 
-def update_bytes(algo, state, data) -> int:
-    """Bytes of one client's round result (its ``ClientUpdate``: parameters, loss, aux), the largest
-    over ``algo``'s phases; ``state`` as ``jax.eval_shape`` gives it (nothing is computed). With stacked
-    partitions, one run's (every run's slice has one shape)."""
+def update_bytes(algo, state, data, clients: int = 1, sums: int | None = None) -> tuple[int, int]:
+    """``(per client, round)``: bytes of what one client's round result leaves in the round's buffer,
+    and of the round's ``clients`` results, the largest over ``algo``'s phases; ``state`` as
+    ``jax.eval_shape`` gives it (nothing is computed). A client's result is its whole ``ClientUpdate``
+    (parameters, loss, aux); with ``sums`` (the running sums of sequential clients, one per device)
+    and a method that splits its uploads, only its rest, the averaged part counted ``sums + 1`` times
+    (each sum and the client in flight). With stacked partitions, one run's (every run's slice has
+    one shape)."""
     from pfedkdh_jax.data.device import run_slice
-    from pfedkdh_jax.engine.protocol import client_update_shape
+    from pfedkdh_jax.engine.protocol import client_update_shape, splits_uploads
 
     one = run_slice(data, 0)
-    return max(_tree_bytes(client_update_shape(p.algorithm, state, one, jax.random.key(0))) for p in algo.phases)
+    out = []
+    for p in algo.phases:
+        shape = client_update_shape(p.algorithm, state, one, jax.random.key(0))
+        if sums is None or not splits_uploads(p.algorithm):
+            out.append((_tree_bytes(shape), clients * _tree_bytes(shape)))
+            continue
+        averaged, rest = jax.eval_shape(p.algorithm.mean_upload, shape)
+        out.append((_tree_bytes(rest), clients * _tree_bytes(rest) + (sums + 1) * _tree_bytes(averaged)))
+    return max(out, key=lambda t: t[1])
 
 
 def estimate(cfg, algo, data, layout, batched_reps: bool) -> dict:
@@ -106,9 +120,11 @@ def estimate(cfg, algo, data, layout, batched_reps: bool) -> dict:
     per_client = per_client_bytes(state, data.num_clients)
     shared = _tree_bytes(state) - per_client
     states = cfg.reps * (3 * shared + per_client + 2 * per_client * cfg.clients_per_round // data.num_clients)
-    one_update = update_bytes(algo, state, data)
+    sequential = layout.client_parallel == "sequential"
+    one_update, round_updates = update_bytes(algo, state, data, cfg.clients_per_round,
+                                             (layout.client_devices or 1) if sequential else None)
     # one buffer per round in flight: every repetition's when they are vmapped together, else one
-    updates = (cfg.reps if batched_reps else 1) * cfg.clients_per_round * one_update
+    updates = (cfg.reps if batched_reps else 1) * round_updates
     data_bytes = _tree_bytes(data)
     together = (cfg.clients_per_round if layout.client_parallel == "vmap" else 1) * (cfg.reps if batched_reps else 1)
     step = step_temp_bytes(data.num_classes, tuple(data.input_shape), cfg.batch_size) * together
