@@ -10,6 +10,7 @@ import pytest
 from pfedkdh_jax import algorithms
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import slot_width, step_widths, width_runs
+from pfedkdh_jax.engine.protocol import splits_uploads
 from pfedkdh_jax.engine.runner import RoundRunner
 from pfedkdh_jax.run.config import make_config
 
@@ -60,8 +61,9 @@ def test_a_runner_told_a_short_run_compiles_no_narrow_width(tiny):
         runner = RoundRunner(algo, data, layout, workload=workload)
         runner.round(algo.init(jax.random.key(0), data), data, np.array([0, 1]), jax.random.key(1))
         assert any("@" in k for k in runner.traces) == narrows, runner.traces
-        # the clients of a long run (2 steps each) also run as one call each (Layout.fused_steps auto)
-        assert any(k.startswith("client_whole@") for k in runner.traces) == narrows, runner.traces
+        # the clients of a long run (2 steps each) also run as one call each (Layout.fused_steps auto),
+        # adding into the round's running sum (client_whole_mean@)
+        assert any(k.startswith("client_whole_mean@") for k in runner.traces) == narrows, runner.traces
 
 
 @pytest.mark.parametrize("name", ["pfedkdh", pytest.param("fedbabu", marks=pytest.mark.slow)])
@@ -83,16 +85,18 @@ def test_clients_of_a_few_steps_as_one_call_compute_the_pieces_round(tiny, name)
             state, metrics = runner.round(state, data, sel, jax.random.key(10 + t))
         ev = runner.evaluate(state, data, jax.random.key(5), personalize=True)
         results.append((state, metrics, ev))
-        whole = {k for k in runner.traces if "client_whole@" in k}
+        # both methods' one-call clients add their backbones into the round's running sum (client_whole_mean@)
+        whole = {k for k in runner.traces if "client_whole@" in k or "client_whole_mean@" in k}
         assert all(v == 1 for v in runner.traces.values()), runner.traces
         sizes = {slot_width(int(n), 64) for n in np.asarray(data.train_n)}   # each client: 2 steps of its width
+        form = "client_whole_mean" if splits_uploads(algo) else "client_whole"
         if fused == 8:
-            assert {k for k in whole if k.startswith("client_whole@")} == {f"client_whole@{w}x2" for w in sizes}
+            assert {k for k in whole if k.startswith("client_whole")} == {f"{form}@{w}x2" for w in sizes}
             assert not any(k.startswith("train_") for k in runner.traces), runner.traces
             if name == "fedbabu":   # the fine-tuning of every client: its own one-call pieces
                 assert any(k.startswith("personalize_client_whole@") for k in whole), runner.traces
         elif fused == 1:        # the round's plans have 2 steps, over the limit (a 1-epoch fine-tuning has 1)
-            assert not any(k.startswith("client_whole@") for k in whole), runner.traces
+            assert not any(k.startswith("client_whole") for k in whole), runner.traces
         else:
             assert not whole
     for other in results[1:]:
@@ -198,7 +202,8 @@ def test_every_method_runs_many_small_clients_scoring_some(name, tmp_path, capsy
     assert rc == 0, capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and 0.0 <= summary["personalized_macro_accuracy"] <= 1.0
-    assert any("client_whole@" in k for k in summary["traces"]), summary["traces"]   # one-call clients ran
+    # one-call clients ran (adding into the round's running sum where the method averages its uploads)
+    assert any("client_whole@" in k or "client_whole_mean@" in k for k in summary["traces"]), summary["traces"]
 
 
 def test_a_synthetic_set_of_many_clients_runs_a_fixed_number_a_round(tmp_path, capsys):
@@ -278,10 +283,10 @@ def test_uploads_summed_as_they_come_give_the_stacked_rounds(tiny, name, monkeyp
     """A method that splits its uploads (``mean_upload``) runs its sequential rounds on a running sum
     per device: the rounds equal those of the same method given the stacked updates (its own
     ``server_update``) to float32 rounding, also with the clients spread over two devices (here one
-    device twice) and with a round of one client, where a device has none; only the rests (heads,
-    losses) are stacked."""
+    device twice), with a round of one client, where a device has none, and with every client in one
+    call that adds into the sum itself; only the rests (heads, losses) are stacked."""
     from pfedkdh_jax.engine import runner as runner_module
-    from pfedkdh_jax.engine.protocol import Algorithm, splits_uploads
+    from pfedkdh_jax.engine.protocol import Algorithm
     _, _, data = tiny
     algo = algorithms.build(make_config("smoke", method=name, rounds=2), data.num_classes)
 
@@ -292,17 +297,19 @@ def test_uploads_summed_as_they_come_give_the_stacked_rounds(tiny, name, monkeyp
     assert splits_uploads(algo) and not splits_uploads(stacked)
     monkeypatch.setattr(runner_module.jax, "local_devices", lambda **kw: jax.devices()[:1] * 2)
     results = []
-    for a, devices in ((stacked, 1), (algo, 1), (algo, 2)):
-        runner = RoundRunner(a, data, Layout("sequential", "unrolled", chunk_steps=2, client_devices=devices))
+    for a, devices, fused in ((stacked, 1, 0), (algo, 1, 0), (algo, 2, 0), (algo, 2, 8)):
+        runner = RoundRunner(a, data, Layout("sequential", "unrolled", chunk_steps=2, client_devices=devices,
+                                             fused_steps=fused))
         state = a.init(jax.random.key(0), data)
         for t, sel in enumerate([np.array([0, 1, 3]), np.array([2]), np.array([3, 1])]):
             state, metrics = runner.round(state, data, sel, jax.random.key(10 + t))
         results.append((state, metrics))
-        assert ("mean_add" in runner.traces) == (a is algo), runner.traces
-        if a is algo:   # a client's addition is one program whatever the round's number of clients
-            assert runner.traces["mean_add"] == runner.traces["mean_first"] == 1, runner.traces
-        if a is algo:   # the buffer holds the rests only: no backbone rows
-            rows = jax.tree_util.tree_leaves(runner._rows._buf)
+        summed = {k for k in runner.traces if k.startswith(("mean_add", "client_whole_mean@"))}
+        assert bool(summed) == (a is algo), runner.traces
+        if a is algo:   # each piece one program whatever the round's number of clients
+            assert all(runner.traces[k] == 1 for k in summed | {"mean_shapes"}), runner.traces
+            assert any(k.startswith("client_whole_mean@") for k in summed) == bool(fused), runner.traces
+            rows = jax.tree_util.tree_leaves(runner._rows._buf)   # the rests only: no backbone rows
             assert sum(x.size for x in rows) < 0.1 * sum(x.size for x in jax.tree_util.tree_leaves(state.backbone))
     for other in results[1:]:
         for x, y in zip(jax.tree_util.tree_leaves(results[0]), jax.tree_util.tree_leaves(other)):

@@ -89,6 +89,15 @@ print(json.dumps({"devices": jax.device_count(), "summary": s}))
 """
 
 
+def _per_client_moves(a: dict, b: dict) -> list:
+    """The per-client accuracies (personalized, global, EA; of every repetition) that differ between
+    two summaries, as absolute differences."""
+    runs = lambda s: s.get("repetitions") or [s]  # noqa: E731
+    keys = ("per_client_personalized_accuracy", "per_client_global_accuracy", "per_client_personalized_accuracy_ea")
+    return [abs(x - y) for ra, rb in zip(runs(a), runs(b), strict=True) for k in keys if k in ra
+            for x, y in zip(ra[k], rb[k], strict=True) if x != y]
+
+
 def _run_on_devices(n, out, reps, layout, reps_mode="vmap"):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(out), str(reps), *layout, reps_mode],
@@ -114,11 +123,13 @@ def test_sharded_over_fake_devices_matches_one_device(tmp_path, devices, reps, l
     one = _run_on_devices(1, tmp_path / "one", reps, layout, "sequential" if reps > 1 else "vmap")
     many = _run_on_devices(devices, tmp_path / "many", reps, layout)
     assert (one["devices"], many["devices"]) == (1, devices)
-    # the losses agree to float32 rounding; a rounding difference can flip one test prediction, so
-    # the accuracies agree to less than one prediction of one client (1 / (K · its test size) ≥ 2e-3)
+    # the losses agree to float32 rounding; a rounding difference can flip a test prediction (seen:
+    # one of client 2's 116 in one repetition, the running mean of the uploads summed in another
+    # order when vmapped over the repetitions), so at most one client's score in one repetition moves,
+    # by one prediction (a client holds more than 50 test samples here)
     assert many["summary"]["final_train_loss"] == pytest.approx(one["summary"]["final_train_loss"], rel=2e-5)
-    for key in ["personalized_macro_accuracy", "global_macro_accuracy", "personalized_macro_accuracy_ea"]:
-        assert many["summary"][key] == pytest.approx(one["summary"][key], abs=1e-3)
+    moved = _per_client_moves(one["summary"], many["summary"])
+    assert len(moved) <= 1 and all(d <= 1 / 50 for d in moved), moved
     # every compiled piece is traced once per shape, on any number of devices
     assert many["summary"]["traces"] == one["summary"]["traces"]
     assert all(v <= 2 for v in many["summary"]["traces"].values())  # features: test and train shapes
@@ -177,5 +188,5 @@ def test_stacked_partitions_sharded_over_two_devices_match_one_device(tmp_path):
     assert (one["devices"], many["devices"]) == (1, 2)
     for a, b in zip(one["summaries"], many["summaries"]):
         assert b["final_train_loss"] == pytest.approx(a["final_train_loss"], rel=2e-5)
-        for key in ["personalized_macro_accuracy", "personalized_macro_accuracy_ea"]:
-            assert b[key] == pytest.approx(a[key], abs=1e-3)
+        moved = _per_client_moves(a, b)   # rounding may flip one prediction (as above)
+        assert len(moved) <= 1 and all(d <= 1 / 50 for d in moved), moved

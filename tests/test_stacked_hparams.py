@@ -85,7 +85,7 @@ def test_the_runner_stacks_hyperparameter_values(data):
     for t, sel in enumerate(SCHEDULE):
         keys = jnp.stack([jax.random.key(100 * s + t) for s in SEEDS])
         state, _ = runner.round(state, data, np.stack([sel, sel]), keys)
-    assert runner.traces["client_start"] == 1 and runner.traces["server_update"] == 1
+    assert runner.traces["client_start"] == 1 and runner.traces["server_update_from_mean"] == 1
     for r, values in enumerate(VALUES):
         close(jax.tree_util.tree_map(lambda x: x[r], state), _solo(values, data, layout)[r], 1e-5)
     # the evaluation with EA (its trainer's lr is traced too) = the solo evaluation

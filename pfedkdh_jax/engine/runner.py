@@ -106,7 +106,13 @@ class _ClientCalls:
             return "+".join(f"{w or b}x{n}" for w, n in plan)
         self._whole_of = lambda plan: compiled(f"{prefix}client_whole@{tag(plan)}", whole_of(plan), (0, 0, d, 0, 0),
                                                steps=True)
-        self._wholes: dict[tuple, Any] = {}   # a step plan -> its one-call client (made when first met)
+
+        def whole_mean_of(plan):   # the same, adding its averaged part into a running sum (_Means)
+            return lambda a: lambda acc, s, c, dt, sel, k: _mean_add(
+                a, acc, problem_of(a).client_in_runs(s, c, dt, sel, k, plan), dt, sel)
+        self._whole_mean_of = lambda plan: compiled(f"{prefix}client_whole_mean@{tag(plan)}", whole_mean_of(plan),
+                                                    (0, 0, 0, d, 0, 0), steps=True, donate=0)
+        self._wholes: dict[tuple, Any] = {}   # (a step plan, summed) -> its one-call client (made when first met)
         self._fused: dict[int, tuple] = {}    # id(train_n) -> (train_n, the plans run as one call)
         self._narrow: dict[tuple[int, bool], tuple] = {}   # (width, vmapped) -> (chunk, single step)
         self._warmed: set = set()                            # (id(train_n), vmapped) already warmed
@@ -216,18 +222,19 @@ class _ClientCalls:
             cached = self._fused[id(data.train_n)] = (data.train_n, plans)
         return cached[1]
 
-    def _whole(self, plan, data: FederatedData):
-        """The one-call client of ``plan`` where it is one of ``data``'s fused plans, else ``None``."""
+    def _whole(self, plan, data: FederatedData, summed: bool = False):
+        """The one-call client of ``plan`` where it is one of ``data``'s fused plans, else ``None``;
+        ``summed``: the form that adds into a running sum (``(acc, ...) -> (acc, rest)``)."""
         if plan is None:
             return None
         plan = tuple(plan)   # a one-client plan is already one (made once per size)
         if plan not in self._fused_plans(data):
             return None
-        if plan not in self._wholes:
-            self._wholes[plan] = self._whole_of(plan)
-        return self._wholes[plan]
+        if (plan, summed) not in self._wholes:
+            self._wholes[plan, summed] = (self._whole_mean_of if summed else self._whole_of)(plan)
+        return self._wholes[plan, summed]
 
-    def _warm(self, vmapped: bool, data: FederatedData, start, state, ctx, sel, key) -> None:
+    def _warm(self, vmapped: bool, data: FederatedData, start, state, ctx, sel, key, means=None) -> None:
         """Compile, at the first call on ``data``, the step pieces of every width its clients' plans
         use and its one-call clients (found from their sizes, each run once on this client's values
         and discarded), so that what later clients meet does not compile inside later rounds: the
@@ -249,7 +256,10 @@ class _ClientCalls:
                 if count % chunk:
                     needed.add((width is not None, width or 0, 1))
         for plan in sorted(wholes, key=str):
-            self._whole(plan, data)(state, ctx, data, sel, key)
+            if means is None:
+                self._whole(plan, data)(state, ctx, data, sel, key)
+            else:
+                self._whole(plan, data, True)(means.zeros(state, data, sel, key), state, ctx, data, sel, key)
         if needed:
             local = start(state, data, sel, key)
             for narrow, width, single in sorted(needed):
@@ -262,15 +272,21 @@ class _ClientCalls:
             cached = self._sizes[id(data.train_n)] = (data.train_n, np.asarray(data.train_n))
         return cached[1]
 
-    def _drive(self, start, vmapped, finish, state, ctx, data, sel, clients, key, plan=None):
+    def _drive(self, start, vmapped, finish, state, ctx, data, sel, clients, key, plan=None, means=None, device=0):
         """One plan for both layouts: start, the steps of each width (whole chunks, then single
         steps), finish (``plan``: :meth:`calls` of ``clients``, if already made); a sequential
-        client of a fused plan (:meth:`_fused_plans`) in one call."""
-        self._warm(vmapped, data, start, state, ctx, sel, key)
+        client of a fused plan (:meth:`_fused_plans`) in one call. With ``means`` (:class:`_Means`),
+        the result's averaged part is added into ``device``'s running sum (inside a fused client's
+        call) and its rest is returned."""
+        self._warm(vmapped, data, start, state, ctx, sel, key, means)
         plan = self.calls(clients, data) if plan is None else plan
-        whole = None if vmapped else self._whole(plan, data)
+        whole = None if vmapped else self._whole(plan, data, means is not None)
         if whole is not None:   # a client of a few steps: one call from start to finish
-            return whole(state, ctx, data, sel, key)
+            if means is None:
+                return whole(state, ctx, data, sel, key)
+            acc, rest = whole(means.take(device, state, data, sel, key), state, ctx, data, sel, key)
+            means.keep(device, acc)
+            return rest
         local = start(state, data, sel, key)
         if plan is None:   # a scan: one call takes every step
             local = self._steps(None, vmapped)[0](local, ctx, data, sel)
@@ -281,7 +297,12 @@ class _ClientCalls:
                     local = train(local, ctx, data, sel)
                 for _ in range(count % self.layout.chunk_steps):
                     local = step(local, ctx, data, sel)
-        return local if self.problem.finish is None else finish(state, data, sel, local, key)
+        out = local if self.problem.finish is None else finish(state, data, sel, local, key)
+        if means is None:
+            return out
+        acc, rest = means.add(means.take(device, state, data, sel, key), out, data, sel)
+        means.keep(device, acc)
+        return rest
 
     def run_all(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place):
         """Every one of ``clients`` (host ints ``[C]``, or ``[R, C]``) vmapped: stacked results."""
@@ -289,22 +310,18 @@ class _ClientCalls:
         return self._drive(self.start_all, True, self.finish_all, state, ctx, data, sel, clients, key)
 
     def run_each(self, state, ctx, data: FederatedData, clients: np.ndarray, key: jax.Array, place,
-                 spread: "_Spread | None" = None, consume=None):
+                 spread: "_Spread | None" = None, means: "_Means | None" = None):
         """Every one of ``clients`` one after another (one per repetition at a time with ``[R, C]``);
-        with ``spread``, one after another on each of its devices (results on the first).
-        ``consume(result, device, data, sel)``, if given, takes each result where it was made (device
-        index, that device's data and selection) as soon as it is dispatched; its return values, on
-        the first device, are the results then."""
+        with ``spread``, one after another on each of its devices (results on the first); with
+        ``means``, each result's averaged part added into its device's running sum, the rests the
+        results."""
         clients = np.asarray(clients)
-        drive = lambda st, cx, dt, sel, c, k, plan=None: self._drive(  # noqa: E731
-            self.start_one, False, self.finish_one, st, cx, dt, sel, c, k, plan)
+        drive = lambda st, cx, dt, sel, c, k, plan=None, i=0: self._drive(  # noqa: E731
+            self.start_one, False, self.finish_one, st, cx, dt, sel, c, k, plan, means, i)
         cols = range(clients.shape[-1])
         if spread is None:   # lazily: each result can be consumed (written into a buffer) as it comes
-            def one(c):
-                sel = place(jnp.asarray(clients[..., c], jnp.int32))
-                out = drive(state, ctx, data, sel, clients[..., c], key)
-                return out if consume is None else consume(out, 0, data, sel)
-            return (one(c) for c in cols)
+            return (drive(state, ctx, data, place(jnp.asarray(clients[..., c], jnp.int32)), clients[..., c], key)
+                    for c in cols)
         plans = [self.calls(clients[..., c], data) for c in cols]
         where, order = spread.assign([self.plan_steps(p) for p in plans])
         copies = spread.copies(state, ctx, key)
@@ -313,9 +330,7 @@ class _ClientCalls:
         for c in order:   # longest first; each device's calls queue up behind one another
             i = where[c]
             (st, cx, k), sel = copies[i], jax.device_put(np.asarray(clients[..., c], np.int32), spread.devices[i])
-            outs[c] = drive(st, cx, datas[i], sel, clients[..., c], k, plans[c])
-            if consume is not None:
-                outs[c] = consume(outs[c], i, datas[i], sel)
+            outs[c] = drive(st, cx, datas[i], sel, clients[..., c], k, plans[c], i)
         return [o if where[c] == 0 else jax.device_put(o, spread.devices[0]) for c, o in enumerate(outs)]
 
 
@@ -359,58 +374,74 @@ class _Rows:
         return buf
 
 
+def _mean_split(a: Algorithm, update, data: FederatedData, sel):
+    """``((n_k x_k, n_k, dtypes), rest)`` of one client's update under ``a.mean_upload``: its averaged
+    part weighted by its train samples (float32, or a wider leaf's own dtype), the weight, zero-size
+    arrays of the parts' dtypes, and the rest."""
+    part, rest = a.mean_upload(update)
+    w = data.train_n[sel].astype(jnp.float32)
+    wide = lambda x: jnp.promote_types(x.dtype, jnp.float32)  # noqa: E731
+    total = jax.tree_util.tree_map(lambda x: w.astype(wide(x)) * x.astype(wide(x)), part)
+    like = jax.tree_util.tree_map(lambda x: jnp.zeros((0,), x.dtype), part)
+    return (total, w, like), rest
+
+
+def _mean_add(a: Algorithm, acc, update, data: FederatedData, sel):
+    """``(acc + the update's weighted part, rest)``."""
+    (total, w, like), rest = _mean_split(a, update, data, sel)
+    return (jax.tree_util.tree_map(jnp.add, acc[0], total), acc[1] + w, like), rest
+
+
 class _Means:
     """A round's sample-weighted mean of the selected clients' averaged parts, formed as they finish
     (for a method that splits its uploads): each device keeps a running sum ``Σ n_k x_k`` and ``Σ n_k``
     (float32, or wider leaves' own dtype), each client's averaged part added into it in place (donated)
     and then dropped, so that a round holds one sum per device and the stacked rests instead of C
-    whole uploads; at the end the devices' sums go to the first device, where the server step's call
-    adds them and divides (one program whatever the number of devices). The order of the additions
+    whole uploads. A client of a fused plan adds into the sum inside its one call
+    (``_ClientCalls``: ``client_whole_mean@...``), so its upload never leaves the call; another client's
+    update is added by ``mean_add``. Each device's sum starts a round at zeros (their shapes traced once,
+    never run), so the pieces run are the same on any number of devices. At the end the devices' sums go
+    to the first device, where the server step's call adds them and divides. The order of the additions
     differs from the stacked mean's (:func:`~pfedkdh_jax.engine.protocol.sample_mean`), so the two agree
     to float32 rounding."""
 
-    def __init__(self, compiled, d, devices: int):
-        def split(a, update, data, sel):
-            part, rest = a.mean_upload(update)
-            w = data.train_n[sel].astype(jnp.float32)
-            wide = lambda x: jnp.promote_types(x.dtype, jnp.float32)  # noqa: E731
-            total = jax.tree_util.tree_map(lambda x: w.astype(wide(x)) * x.astype(wide(x)), part)
-            like = jax.tree_util.tree_map(lambda x: jnp.zeros((0,), x.dtype), part)   # the parts' dtypes
-            return (total, w, like), rest
-
-        def add(a, acc, update, data, sel):
-            (total, w, like), rest = split(a, update, data, sel)
-            return (jax.tree_util.tree_map(jnp.add, acc[0], total), acc[1] + w, like), rest
+    def __init__(self, compiled, d, devices: int, problem_of):
+        def shapes(a):   # a client's weighted part from its start and finish (no steps): for its shapes
+            p = problem_of(a)
+            return lambda s, dt, sel, k: _mean_split(a, p.finish(s, dt, sel, p.start(s, dt, sel, k), k), dt, sel)[0]
 
         def server(a, state, data, sel, sums, rest, key):   # sums: one (total, w, like) per device
             total = jax.tree_util.tree_map(lambda *xs: functools.reduce(jnp.add, xs), *[s[0] for s in sums])
             w, like = sum(s[1] for s in sums), sums[0][2]
             mean = jax.tree_util.tree_map(lambda s, z: (s / w).astype(z.dtype), total, like)
             return a.server_update_from_mean(state, data, sel, mean, rest, key)
-        # the sums' shapes (traced, never run: every client, the first on a device too, is one call of
-        # mean_add on a sum that starts at zeros, so the pieces run are the same on any number of devices)
-        self._first = compiled("mean_first", lambda a: functools.partial(split, a), (0, d, 0))
+        self._shapes_of = compiled("mean_shapes", shapes, (0, d, 0, 0))
         self._shapes = None
-        self._add = compiled("mean_add", lambda a: functools.partial(add, a), (0, 0, d, 0), donate=0)
+        self.add = compiled("mean_add", lambda a: functools.partial(_mean_add, a), (0, 0, d, 0), donate=0)
         self.server = compiled("server_update_from_mean", lambda a: functools.partial(server, a),
                                (0, d, 0, 0, 0, 0))
         self.devices = devices
         self._sums: dict[int, Any] = {}
 
-    def consume(self, update, device: int, data, sel):
-        """Add ``update``'s averaged part into ``device``'s sum; its rest is returned."""
-        acc = self._sums.get(device)
-        if acc is None:   # zeros, placed as the update is
-            if self._shapes is None:
-                self._shapes = jax.eval_shape(self._first, update, data, sel)[0]
-            where = jax.tree_util.tree_leaves(update)[0].sharding
-            acc = jax.tree_util.tree_map(lambda s: jax.device_put(jnp.zeros(s.shape, s.dtype), where), self._shapes)
-        self._sums[device], rest = self._add(acc, update, data, sel)
-        return rest
+    def zeros(self, state, data, sel, key):
+        """A sum of zeros placed as ``sel`` is (its leading repetition axis sharded as the selection's)."""
+        if self._shapes is None:
+            self._shapes = jax.eval_shape(self._shapes_of, state, data, sel, key)
+        return jax.tree_util.tree_map(lambda s: jax.device_put(jnp.zeros(s.shape, s.dtype), sel.sharding),
+                                      self._shapes)
+
+    def take(self, device: int, state, data, sel, key):
+        """``device``'s running sum (zeros at its first client of a round); it is donated to the call
+        that adds into it, which gives the new one to :meth:`keep`."""
+        acc = self._sums.pop(device, None)
+        return self.zeros(state, data, sel, key) if acc is None else acc
+
+    def keep(self, device: int, acc) -> None:
+        self._sums[device] = acc
 
     def sums(self, first_device):
-        """Every device's sum (the round's clients all consumed), on ``first_device``: a tuple of one
-        per device, a device that had no client adding zeros; then reset for the next round."""
+        """Every device's sum (the round's clients all added), on ``first_device``: a tuple of one per
+        device, a device that had no client adding zeros; then reset for the next round."""
         got, self._sums = self._sums, {}
         if first_device is not None:
             got = {i: jax.device_put(s, first_device) for i, s in got.items()}
@@ -514,7 +545,8 @@ class RoundRunner:
         self._context = compiled("context", lambda a: a.context, (0,))
         self._server = compiled("server_update", lambda a: a.server_update, (0, d, 0, 0, 0))
         # sequential clients of a method that splits its uploads: a running mean instead of C uploads
-        self._means = (_Means(compiled, d, 1 if self.spread is None else len(self.spread.devices))
+        self._means = (_Means(compiled, d, 1 if self.spread is None else len(self.spread.devices),
+                              lambda a: make_round(a, layout).problem)
                        if splits_uploads(algo) and layout.client_parallel == "sequential" else None)
         # sequential clients: each one's upload written in place into one [C, ...] buffer as it comes
         self._rows = _Rows(axis=0 if reps is None else 1)
@@ -591,7 +623,7 @@ class RoundRunner:
             updates = self._clients.run_all(state, ctx, data, selected, key, self.place)
         elif self._means is not None:   # only the rests are stacked; the averaged parts summed as they come
             rests = self._rows.stack(self._clients.run_each(state, ctx, data, selected, key, self.place,
-                                                            self.spread, self._means.consume), selected.shape[-1])
+                                                            self.spread, self._means), selected.shape[-1])
             first = None if self.spread is None else self.spread.devices[0]
             return self._means.server(state, data, sel, self._means.sums(first), rests, key)
         else:
