@@ -187,6 +187,8 @@ def test_stacked_partitions_sharded_over_two_devices_match_one_device(tmp_path):
     one, many = go(1, "sequential"), go(2, "vmap")
     assert (one["devices"], many["devices"]) == (1, 2)
     for a, b in zip(one["summaries"], many["summaries"]):
-        assert b["final_train_loss"] == pytest.approx(a["final_train_loss"], rel=2e-5)
+        # float32 rounding: the running mean of the uploads, vmapped over the two runs, rounds otherwise than
+        # a solo run's (seen: 2.3e-5 relative after 2 rounds), as vmapped repetitions do (rtol 1e-4 above)
+        assert b["final_train_loss"] == pytest.approx(a["final_train_loss"], rel=1e-4)
         moved = _per_client_moves(a, b)   # rounding may flip one prediction (as above)
         assert len(moved) <= 1 and all(d <= 1 / 50 for d in moved), moved
