@@ -427,8 +427,7 @@ class _Means:
         """A sum of zeros placed as ``sel`` is (its leading repetition axis sharded as the selection's)."""
         if self._shapes is None:
             self._shapes = jax.eval_shape(self._shapes_of, state, data, sel, key)
-        return jax.tree_util.tree_map(lambda s: jax.device_put(jnp.zeros(s.shape, s.dtype), sel.sharding),
-                                      self._shapes)
+        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype, device=sel.sharding), self._shapes)
 
     def take(self, device: int, state, data, sel, key):
         """``device``'s running sum (zeros at its first client of a round); it is donated to the call
@@ -539,14 +538,14 @@ class RoundRunner:
 
         # --- rounds
         k = data.num_clients
-        self._clients = _ClientCalls(compiled, layout, lambda a: make_round(a, layout).problem,
-                                     self.round_fn.problem, largest, "", d,
+        def problem_of(a):   # the round's local problem of one (possibly rebuilt) algorithm
+            return make_round(a, layout).problem
+        self._clients = _ClientCalls(compiled, layout, problem_of, self.round_fn.problem, largest, "", d,
                                      None if workload is None else workload.visits(k))
         self._context = compiled("context", lambda a: a.context, (0,))
         self._server = compiled("server_update", lambda a: a.server_update, (0, d, 0, 0, 0))
         # sequential clients of a method that splits its uploads: a running mean instead of C uploads
-        self._means = (_Means(compiled, d, 1 if self.spread is None else len(self.spread.devices),
-                              lambda a: make_round(a, layout).problem)
+        self._means = (_Means(compiled, d, 1 if self.spread is None else len(self.spread.devices), problem_of)
                        if splits_uploads(algo) and layout.client_parallel == "sequential" else None)
         # sequential clients: each one's upload written in place into one [C, ...] buffer as it comes
         self._rows = _Rows(axis=0 if reps is None else 1)
