@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads")
     ap.add_argument("--sides", default="torch,jax,jax_full")
     ap.add_argument("--client-parallel", default=None, help="the engine's layout (default: the backend's)")
+    ap.add_argument("--fused-steps", type=int, default=2,
+                    help="the 'jax' side's --fused-steps: clients of at most this many steps run as one call")
     ap.add_argument("--write", default=None, help="append the markdown table (and JSON) here")
     args = ap.parse_args()
     sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
@@ -90,7 +92,8 @@ def main() -> None:
         for side, granule in (("jax", 8), ("jax_full", 0)):
             if side not in wanted:
                 continue
-            layout = engine_layout(dataclasses.replace(cfg, slot_granule=granule, fused_steps=2 if granule else 0))
+            layout = engine_layout(dataclasses.replace(cfg, slot_granule=granule,
+                                                       fused_steps=args.fused_steps if granule else 0))
             algo = make_algorithm(cfg, pool.num_classes, resolved_conv_form(cfg, layout, batched=False))
             runner = RoundRunner(algo, data, layout)
             box = {"state": algo.init(jax.random.key(0), data), "t": 0}
@@ -101,6 +104,7 @@ def main() -> None:
                 box["t"] += 1
             sides[side] = one
         row = {"K": k, "C": c, "alpha": args.alpha, "min_client_samples": args.min_client_samples,
+               "fused_steps": args.fused_steps,
                "train_sizes": [int(sizes.min()), float(sizes.mean()), int(sizes.max())],
                "selected_samples": float(np.mean([sizes[s].sum() for s in schedule[1:]])),
                "steps": float(np.mean([sum(cfg.local_epochs * math.ceil(n / 64) for n in sizes[s]) for s in schedule[1:]]))}
