@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
+import os
+import sys
 import time
 
 
@@ -34,21 +35,15 @@ def main() -> None:
     import jax
     import numpy as np
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from many_clients import engine_runner, partition
     from pfedkdh_jax.data.device import build_federated_data
-    from pfedkdh_jax.engine.runner import RoundRunner
-    from pfedkdh_jax.run.config import make_config
-    from pfedkdh_jax.run.experiment import engine_layout, make_algorithm, prepare_data, resolved_conv_form
 
-    cfg = make_config("paper", method="fedper", dataset="mnist", alpha=0.5, data_dir=args.data_dir,
-                      num_clients=args.clients, participation=0.05, min_client_samples=5)
-    pool, part, _ = prepare_data(cfg)
-    sizes = np.array([len(t) for t in part.train_idx])
+    cfg, pool, part, sizes = partition(args.clients, args.clients // 20, args.data_dir)
     steps = cfg.local_epochs * np.ceil(sizes / cfg.batch_size).astype(int)
     print("clients by their steps:", dict(sorted(collections.Counter(steps.tolist()).items())), flush=True)
     data = build_federated_data(pool, part)
-    layout = engine_layout(dataclasses.replace(cfg, slot_granule=8, fused_steps=args.fused_steps))
-    algo = make_algorithm(cfg, pool.num_classes, resolved_conv_form(cfg, layout, batched=False))
-    runner = RoundRunner(algo, data, layout)
+    algo, runner = engine_runner(cfg, pool, data, slot_granule=8, fused_steps=args.fused_steps)
     state = algo.init(jax.random.key(0), data)
     t = time.perf_counter()
     state, _ = runner.round(state, data, np.arange(4), jax.random.key(1))

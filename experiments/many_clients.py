@@ -43,6 +43,27 @@ def slots(sizes, selected, epochs: int, batch: int, granule: int | None) -> tupl
     return real, computed
 
 
+def partition(k: int, c: int, data_dir, alpha: float = 0.5, min_client_samples: int = 5, client_parallel=None):
+    """The run of this benchmark at K clients, C a round: ``(cfg, pool, part, sizes)`` (FedPer, MNIST, paper
+    preset; ``sizes``: each client's train samples). Also used by process_per_core.py and fused_plans.py."""
+    from pfedkdh_jax.run.config import make_config
+    from pfedkdh_jax.run.experiment import prepare_data
+    cfg = make_config("paper", method="fedper", dataset="mnist", alpha=alpha, data_dir=data_dir, num_clients=k,
+                      participation=c / k, min_client_samples=min_client_samples, client_parallel=client_parallel)
+    pool, part, _ = prepare_data(cfg)
+    return cfg, pool, part, np.array([len(t) for t in part.train_idx])
+
+
+def engine_runner(cfg, pool, data, slot_granule: int, fused_steps: int, client_devices=None):
+    """``(algo, RoundRunner)`` of ``cfg`` on ``data`` with the given step widths and one-call clients."""
+    from pfedkdh_jax.engine.runner import RoundRunner
+    from pfedkdh_jax.run.experiment import engine_layout, make_algorithm, resolved_conv_form
+    layout = engine_layout(dataclasses.replace(cfg, slot_granule=slot_granule, fused_steps=fused_steps,
+                                               client_devices=client_devices))
+    algo = make_algorithm(cfg, pool.num_classes, resolved_conv_form(cfg, layout, batched=False))
+    return algo, RoundRunner(algo, data, layout)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default=None)
@@ -64,19 +85,14 @@ def main() -> None:
     import jax
 
     from pfedkdh_jax.data.device import build_federated_data
-    from pfedkdh_jax.engine.runner import RoundRunner, sample_schedule
-    from pfedkdh_jax.run.config import make_config
-    from pfedkdh_jax.run.experiment import engine_layout, make_algorithm, prepare_data, resolved_conv_form
+    from pfedkdh_jax.engine.runner import sample_schedule
 
     wanted = args.sides.split(",")
     rows = []
     for setting in args.settings.split(","):
         k, c = map(int, setting.split(":"))
-        cfg = make_config("paper", method="fedper", dataset="mnist", alpha=args.alpha, data_dir=args.data_dir,
-                          num_clients=k, participation=c / k, min_client_samples=args.min_client_samples,
-                          client_parallel=args.client_parallel)
-        pool, part, _ = prepare_data(cfg)
-        sizes = np.array([len(t) for t in part.train_idx])
+        cfg, pool, part, sizes = partition(k, c, args.data_dir, args.alpha, args.min_client_samples,
+                                           args.client_parallel)
         schedule = sample_schedule(jax.random.key(1), args.rounds + 1, k, c)
         sides = {}
         if "torch" in wanted:
@@ -92,10 +108,7 @@ def main() -> None:
         for side, granule in (("jax", 8), ("jax_full", 0)):
             if side not in wanted:
                 continue
-            layout = engine_layout(dataclasses.replace(cfg, slot_granule=granule,
-                                                       fused_steps=args.fused_steps if granule else 0))
-            algo = make_algorithm(cfg, pool.num_classes, resolved_conv_form(cfg, layout, batched=False))
-            runner = RoundRunner(algo, data, layout)
+            algo, runner = engine_runner(cfg, pool, data, granule, args.fused_steps if granule else 0)
             box = {"state": algo.init(jax.random.key(0), data), "t": 0}
 
             def one(sel, runner=runner, box=box):

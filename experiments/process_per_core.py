@@ -28,26 +28,19 @@ import time
 
 def worker(i: int, n: int, k: int, c: int, rounds: int, data_dir, barrier, out) -> None:
     os.sched_setaffinity(0, {i})                       # before JAX starts its threads
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # many_clients.py's run
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
-    import dataclasses
-
     import jax
     import numpy as np
 
+    from many_clients import engine_runner, partition
     from pfedkdh_jax.data.device import build_federated_data
-    from pfedkdh_jax.engine.runner import RoundRunner, sample_schedule
-    from pfedkdh_jax.run.config import make_config
-    from pfedkdh_jax.run.experiment import engine_layout, make_algorithm, prepare_data, resolved_conv_form
+    from pfedkdh_jax.engine.runner import sample_schedule
 
-    cfg = make_config("paper", method="fedper", dataset="mnist", alpha=0.5, data_dir=data_dir, num_clients=k,
-                      participation=c / k, min_client_samples=5)
-    pool, part, _ = prepare_data(cfg)
-    sizes = np.array([len(t) for t in part.train_idx])
+    cfg, pool, part, sizes = partition(k, c, data_dir)
     schedule = sample_schedule(jax.random.key(1), rounds + 1, k, c)   # many_clients.py's cohorts
     data = build_federated_data(pool, part)
-    layout = engine_layout(dataclasses.replace(cfg, slot_granule=8, fused_steps=2, client_devices=1))
-    algo = make_algorithm(cfg, pool.num_classes, resolved_conv_form(cfg, layout, batched=False))
-    runner = RoundRunner(algo, data, layout)
+    algo, runner = engine_runner(cfg, pool, data, slot_granule=8, fused_steps=2, client_devices=1)
     state = algo.init(jax.random.key(0), data)
 
     def share(selected):   # longest first to the least loaded process, in local steps
