@@ -19,6 +19,7 @@ from pfedkdh_jax.data.device import gather_inputs
 from pfedkdh_jax.algorithms import parse_method_args
 from pfedkdh_jax.model import CNN
 from pfedkdh_jax.algorithms.common import weighted_average
+from pfedkdh_jax.engine.client_rows import ClientRows
 from pfedkdh_jax.engine.runner import RoundRunner
 
 SHARED = dict(lr=0.05, batch_size=8, local_epochs=1)
@@ -153,6 +154,53 @@ def test_vmap_scan_form_computes_the_same_numbers(tiny, trained, name):
     for key in ("personalized_per_client_accuracy", "personalized_micro_accuracy"):
         np.testing.assert_allclose(evaluation_v[key], evaluation[key], atol=1e-6)
     assert "round" in runner.traces and "owned_features_scan" in runner.traces
+
+
+# ------------------------------------------------------------------- personal models of trained clients
+def test_client_rows_place_new_clients_in_order_and_count_those_that_do_not_fit():
+    base = {"w": jnp.arange(3.0)}
+    rows = ClientRows.create(base, num_clients=6, capacity=3)
+    put = jax.jit(lambda r, c, v: r.put(c, v))
+    rows = put(rows, jnp.array([4, 1]), {"w": jnp.full((2, 3), 1.0)})
+    rows = put(rows, jnp.array([1, 5, 0]), {"w": jnp.stack([jnp.full(3, 2.0), jnp.full(3, 3.0), jnp.full(3, 4.0)])})
+    np.testing.assert_array_equal(rows.slot, [-1, 1, -1, -1, 0, 2])     # client 0 found no free row
+    assert int(rows.used) == 3 and int(rows.lost) == 1
+    got = rows.dense()["w"][:, 0]
+    np.testing.assert_array_equal(got, [0.0, 2.0, 0.0, 0.0, 1.0, 3.0])   # clients without a row read base
+    np.testing.assert_array_equal(take(rows, jnp.array([5, 2]))["w"], [[3.0] * 3, [0.0, 1.0, 2.0]])
+
+
+def test_ditto_with_rows_for_the_trained_clients_only_computes_the_same_run(tiny, trained):
+    """Two rounds select clients 2, 0, 1: three rows hold every personal model that moved, and the
+    state, the round metrics and the evaluation are the dense run's."""
+    _, _, data = tiny
+    _, _, states, metrics, _ = trained("ditto")
+    algo, _, rows_states, rows_metrics, evaluation = runs(tiny, "ditto", rounds=2, personal_rows=3)
+    last = rows_states[-1]
+    assert isinstance(last.personal, ClientRows) and last.personal.capacity == 3
+    assert int(last.personal.used) == 3 and int(last.personal.lost) == 0
+    assert_close(last.params, states[2].params, tol=0)
+    assert_close(last.personal.dense(), states[2].personal, tol=0)
+    assert_close(rows_metrics, metrics[:2], tol=0)
+    dense_eval = RoundRunner(make_algo("ditto", data), data, Layout("sequential", "unrolled", chunk_steps=4)) \
+        .evaluate(states[2], data, jax.random.key(0))
+    for key in ("personalized_per_client_accuracy", "global_macro_accuracy"):
+        np.testing.assert_array_equal(evaluation[key], dense_eval[key])
+    # the pure round (one program: clients vmapped, steps scanned) reads and writes the rows alike
+    _, _, fused_states, _, _ = runs(tiny, "ditto", form=("vmap", "scan"), rounds=2, personal_rows=3)
+    assert_close(fused_states[-1].personal.dense(), states[2].personal, tol=2e-5)
+
+
+def test_a_run_keeps_rows_for_rounds_times_clients_per_round_when_fewer_than_its_clients():
+    from pfedkdh_jax import algorithms
+    from pfedkdh_jax.run.config import make_config
+
+    def rows(**kw):
+        cfg = make_config("default", method="ditto", **kw)
+        return algorithms.build(cfg, 10).config.personal_rows
+    assert rows(num_clients=1000, participation=0.05, rounds=10) == 500
+    assert rows(num_clients=20, participation=0.5, rounds=50) == 0           # the paper's setting: one per client
+    assert rows(num_clients=1000, participation=0.05, rounds=10, method_args=(("personal_rows", "0"),)) == 0
 
 
 # ---------------------------------------------------------------------------------------------- Ditto

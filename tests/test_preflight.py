@@ -21,7 +21,12 @@ def eight_gib(monkeypatch):
     (["--reps", "100000"], "fewer --reps"),
     (["--batch-size", "20000", "--client-parallel", "vmap"], "--client-parallel sequential"),
     # Ditto keeps a personal model per client: 300 clients of the digits set at 64 MiB available
-    (["--method", "ditto", "--clients", "300", "--min-client-samples", "2"], "fewer --clients: ditto keeps"),
+    (["--method", "ditto", "--clients", "300", "--min-client-samples", "2", "--method-arg", "personal_rows=0"],
+     "fewer --clients: ditto keeps"),
+    # ... or, by default, one for each client a run trains (1 round of 150 clients here)
+    (["--method", "ditto", "--clients", "300", "--min-client-samples", "2"],
+     "fewer --rounds or clients per round: ditto keeps 2.2 MiB for every client a run trains, up to rounds × "
+     "clients per round = 150"),
     # every one of 300 clients a round, vmapped: the round's 300 uploaded models, not any state, are what is
     # large (sequential clients would hold one running sum of the backbones per device instead)
     (["--clients", "300", "--participation", "1", "--min-client-samples", "2", "--client-parallel", "vmap",

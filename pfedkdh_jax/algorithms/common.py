@@ -19,8 +19,10 @@ import optax
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms.configs import LocalConfig
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
+from pfedkdh_jax.engine import client_rows
+from pfedkdh_jax.engine.client_rows import ClientRows
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
-from pfedkdh_jax.engine.protocol import Model, init_params as _init_params, logits, sample_mean
+from pfedkdh_jax.engine.protocol import EvalModels, Model, init_params as _init_params, logits, sample_mean
 from pfedkdh_jax.model import CNN
 
 PyTree = Any
@@ -133,13 +135,37 @@ class PersonalModelsState:
     """A global model and one whole personal model per client (Ditto, pFedMe)."""
 
     params: PyTree          # w: the global model {"backbone", "head"}
-    personal: PyTree        # every client's personal model, [K, ...]
+    personal: PyTree        # every client's personal model: [K, ...], or a ClientRows of them
     round: jax.Array        # int32 [], rounds completed
 
     @classmethod
-    def create(cls, params: PyTree, num_clients: int) -> "PersonalModelsState":
-        """The global model ``params`` and every personal model a copy of it."""
-        return cls(params=params, personal=broadcast(params, num_clients), round=jnp.zeros((), jnp.int32))
+    def create(cls, params: PyTree, num_clients: int, rows: int = 0) -> "PersonalModelsState":
+        """The global model ``params`` and every personal model a copy of it: ``[K, ...]``, or with
+        ``0 < rows < num_clients`` a :class:`~pfedkdh_jax.engine.client_rows.ClientRows` of ``rows``
+        rows (only the clients written so far hold one; the others read ``params``)."""
+        personal = (ClientRows.create(params, num_clients, rows) if 0 < rows < num_clients
+                    else broadcast(params, num_clients))
+        return cls(params=params, personal=personal, round=jnp.zeros((), jnp.int32))
+
+
+def personal_rows(cfg, args: dict) -> dict:
+    """``args`` with ``personal_rows`` set from a run's budget when its ``--method-arg`` do not set
+    it: the most clients a run writes, ``rounds × clients per round``, where that is fewer than K
+    (else 0: one row per client). The personal models of the other clients never leave their start."""
+    if any(key == "personal_rows" for key, _ in cfg.method_args):
+        return args
+    most = cfg.rounds * cfg.clients_per_round
+    return {**args, "personal_rows": most if most < cfg.num_clients else 0}
+
+
+def personal_eval_models(state: PersonalModelsState) -> EvalModels:
+    """Each client's personal model (backbone and head) scored on its own test split; the global model
+    for ``global_*`` (Ditto, pFedMe)."""
+    p = state.personal
+    if isinstance(p, ClientRows):   # backbones read a client at a time; heads [K, ...] (small)
+        return EvalModels(backbone=p.part("backbone"), heads=p.part("head").dense(), global_model=state.params,
+                          per_client=True)
+    return EvalModels(backbone=p["backbone"], heads=p["head"], global_model=state.params, per_client=True)
 
 
 # ------------------------------------------------------------------------------ per-client pytrees
@@ -148,14 +174,8 @@ def broadcast(tree: PyTree, num_clients: int) -> PyTree:
     return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_clients,) + x.shape), tree)
 
 
-def take(tree: PyTree, client) -> PyTree:
-    """Row ``client`` of every leaf of a ``[K, ...]`` pytree."""
-    return jax.tree_util.tree_map(lambda x: x[client], tree)
-
-
-def put(tree: PyTree, clients: jax.Array, rows: PyTree) -> PyTree:
-    """``tree`` with rows ``clients [C]`` replaced by ``rows [C, ...]`` (all other rows untouched)."""
-    return jax.tree_util.tree_map(lambda x, r: x.at[clients].set(r), tree, rows)
+take = client_rows.row        # client k's value of a per-client pytree ([K, ...] or ClientRows)
+put = client_rows.put_rows    # the selected clients' values replaced; every other client's untouched
 
 
 weighted_average = sample_mean   # Σ_c w_c · tree_c / Σ_c w_c over the leading axis [C, ...]

@@ -153,6 +153,9 @@ class DittoConfig(LocalConfig):
 
     lam: float = option(1.0, "λ, weight of the proximal term of the personal objective", non_negative, ">= 0")
     personal_optimizer: Any = option(None, "the personal models' optimizer (at lr): " + OPTIMIZER_HELP, **_OPT)
+    personal_rows: int = option(0, "rows kept for personal models: 0 = one per client; 0 < N < K keeps them "
+                                "only for the clients trained so far, up to N (the others stay at the start); "
+                                "a run sets rounds × clients per round when that is below K", non_negative, ">= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +170,9 @@ class PFedMeConfig(LocalConfig):
                          "> 0 (β = 0 would freeze the global model)")
     personal_optimizer: Any = option(None, "the inner problem's optimizer (at personal_lr): " + OPTIMIZER_HELP,
                                      **_OPT)
+    personal_rows: int = option(0, "rows kept for personal models: 0 = one per client; 0 < N < K keeps them "
+                                "only for the clients trained so far, up to N (the others stay at the start); "
+                                "a run sets rounds × clients per round when that is below K", non_negative, ">= 0")
 
 
 PROTO_WEIGHTINGS = ("count", "uniform")

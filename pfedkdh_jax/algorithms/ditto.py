@@ -4,7 +4,7 @@ T. Li, S. Hu, A. Beirami, V. Smith, "Ditto: Fair and Robust Federated Learning T
 Personalization", ICML 2021 (arXiv:2012.04221).
 
 The server keeps a global model w (the whole CNN); client k keeps a personal model v_k (a whole CNN of
-its own, ``[K, ...]``). In a round each selected client, from the broadcast w^t,
+its own: ``[K, ...]``, or only for the clients trained so far, ``personal_rows`` below). In a round each selected client, from the broadcast w^t,
 
 * trains a copy w_k of the global model on plain cross-entropy (exactly FedAvg's local problem), and
 * updates its personal model on ``F_k(v) + λ/2·‖v − w^t‖²``, i.e. ``v ← v − η(∇F_k(v) + λ(v − w^t))``,
@@ -22,6 +22,11 @@ Hyperparameters (``--method-arg``):
 * ``lam`` = 1.0 — λ. The paper tunes λ per dataset; 1 is the value of the authors' published run
   scripts (``run_*_lam1.sh`` in github.com/litian96/ditto). PFLlib's default ``mu = 0`` would turn the
   personal models into purely local training; it is not used here.
+* ``personal_rows`` = 0 — 0: a personal model per client, ``[K, ...]``; 0 < N < K: a
+  :class:`~pfedkdh_jax.engine.client_rows.ClientRows` of N rows, one for each client trained so far (the
+  others are still at w⁰, which they read). The same numbers either way; a run sets ``rounds × clients
+  per round`` when that is below K, so 10,000 clients, 100 a round, 10 rounds hold 1,000 models, not
+  10,000.
 
 lr, batch size and local epochs are the run's shared options (``--lr``, ``--batch-size``,
 ``--local-epochs``). Differences from PFLlib: PFLlib trains the personal model for its own number of
@@ -62,7 +67,7 @@ class Ditto(Algorithm):
     def init(self, key: jax.Array, data: FederatedData) -> DittoState:
         """w⁰ from ``key``; every personal model starts as w⁰."""
         params = C.init_params(self.model, key, data)
-        return DittoState.create(params, data.num_clients)
+        return DittoState.create(params, data.num_clients, self.config.personal_rows)
 
     @property
     def trainer(self) -> LocalTrainer:
@@ -107,10 +112,9 @@ class Ditto(Algorithm):
 
     def eval_models(self, state: DittoState) -> EvalModels:
         """Each client's personal model; the global model w for the ``global_*`` metrics."""
-        return EvalModels(backbone=state.personal["backbone"], heads=state.personal["head"],
-                          global_model=state.params, per_client=True)
+        return C.personal_eval_models(state)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> Ditto:
     """Ditto of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return Ditto(C.cnn(cfg, num_classes), DittoConfig(**C.local_config(cfg), **args))
+    return Ditto(C.cnn(cfg, num_classes), DittoConfig(**C.local_config(cfg), **C.personal_rows(cfg, args)))

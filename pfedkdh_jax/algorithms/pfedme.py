@@ -27,6 +27,9 @@ Hyperparameters (``--method-arg``; defaults from the authors, github.com/Charlie
   ν·(λ + curvature) < 2, and ν = 0.1 diverges with this CNN;
 * ``beta`` = 1.0 — β (the paper's comparisons and the CNN command; its fine-tuned runs use β = 2).
   Must be > 0.
+* ``personal_rows`` = 0 — where the θ_k are kept: 0, ``[K, ...]``; 0 < N < K, N rows for the clients
+  trained so far (:class:`~pfedkdh_jax.engine.client_rows.ClientRows`; the others read w⁰). The same
+  numbers either way; a run sets ``rounds × clients per round`` when that is below K.
 
 η, batch size and local epochs are the run's shared options. Differences: the paper runs R local
 rounds of one minibatch each; here the local budget is the shared E epochs over the client's data
@@ -69,7 +72,7 @@ class PFedMe(Algorithm):
 
     def init(self, key: jax.Array, data: FederatedData) -> PFedMeState:
         params = C.init_params(self.model, key, data)
-        return PFedMeState.create(params, data.num_clients)
+        return PFedMeState.create(params, data.num_clients, self.config.personal_rows)
 
     @property
     def trainer(self) -> LocalTrainer:
@@ -139,10 +142,9 @@ class PFedMe(Algorithm):
 
     def eval_models(self, state: PFedMeState) -> EvalModels:
         """Each client's last personalized model θ_k; the global model w for ``global_*``."""
-        return EvalModels(backbone=state.personal["backbone"], heads=state.personal["head"],
-                          global_model=state.params, per_client=True)
+        return C.personal_eval_models(state)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> PFedMe:
     """PFedMe of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return PFedMe(C.cnn(cfg, num_classes), PFedMeConfig(**C.local_config(cfg), **args))
+    return PFedMe(C.cnn(cfg, num_classes), PFedMeConfig(**C.local_config(cfg), **C.personal_rows(cfg, args)))

@@ -171,7 +171,8 @@ class EvalModels:
     * ``heads [K, ...]``: client k's head scores client k's test split on client k's features
       (``personalized_*``); ``None`` for a method without personalized models;
     * ``backbone``: the shared backbone θ — or, with ``per_client=True``, every client's own backbone
-      ``[K, ...]`` (each test sample's features then come from its owner's backbone);
+      ``[K, ...]`` or a :class:`~pfedkdh_jax.engine.client_rows.ClientRows` of them (each test sample's
+      features then come from its owner's backbone);
     * ``global_head``: a head scored on every test sample's shared-backbone features (``global_*``);
       methods with a shared backbone only;
     * ``global_model``: a whole model ``{"backbone", "head"}`` scored on every test sample

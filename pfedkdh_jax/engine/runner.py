@@ -43,7 +43,7 @@ import numpy as np
 
 from pfedkdh_jax.engine.protocol import Algorithm, splits_uploads
 from pfedkdh_jax.data.device import FederatedData, data_axes
-from pfedkdh_jax.engine import scoring
+from pfedkdh_jax.engine import client_rows, scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
 from pfedkdh_jax.engine.layout import AUTO_GRANULE, Layout, Workload, local_training_compiler_options
 from pfedkdh_jax.engine.local import (LocalState, LocalTrainer, fused_plan_pays, paying_widths, step_widths,
@@ -543,6 +543,8 @@ class RoundRunner:
         self._clients = _ClientCalls(compiled, layout, problem_of, self.round_fn.problem, largest, "", d,
                                      None if workload is None else workload.visits(k))
         self._context = compiled("context", lambda a: a.context, (0,))
+        # the state the client pieces see: each ClientRows cut to the round's clients (client_rows.restrict)
+        self._view = compiled("client_rows_view", lambda a: client_rows.restrict, (0, 0))
         self._server = compiled("server_update", lambda a: a.server_update, (0, d, 0, 0, 0))
         # sequential clients of a method that splits its uploads: a running mean instead of C uploads
         self._means = (_Means(compiled, d, 1 if self.spread is None else len(self.spread.devices), problem_of)
@@ -618,15 +620,18 @@ class RoundRunner:
         if self.fused:
             return self._fused(state, data, sel, key)
         ctx = self._context(state)
+        # per-client tables of rows (ClientRows) reach the clients cut to theirs: a round copies C rows
+        # to another device, not the table
+        view = self._view(state, sel) if client_rows.has_client_rows(state) else state
         if self.layout.client_parallel == "vmap":
-            updates = self._clients.run_all(state, ctx, data, selected, key, self.place)
+            updates = self._clients.run_all(view, ctx, data, selected, key, self.place)
         elif self._means is not None:   # only the rests are stacked; the averaged parts summed as they come
-            rests = self._rows.stack(self._clients.run_each(state, ctx, data, selected, key, self.place,
+            rests = self._rows.stack(self._clients.run_each(view, ctx, data, selected, key, self.place,
                                                             self.spread, self._means), selected.shape[-1])
             first = None if self.spread is None else self.spread.devices[0]
             return self._means.server(state, data, sel, self._means.sums(first), rests, key)
         else:
-            updates = self._rows.stack(self._clients.run_each(state, ctx, data, selected, key, self.place,
+            updates = self._rows.stack(self._clients.run_each(view, ctx, data, selected, key, self.place,
                                                               self.spread), selected.shape[-1])
         return self._server(state, data, sel, updates, key)
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
+from pfedkdh_jax.engine import client_rows
 from pfedkdh_jax.engine.protocol import Model
 
 PyTree = Any
@@ -38,8 +39,9 @@ def features_of(model: Model, backbone: PyTree, data: FederatedData, idx: jax.Ar
 
 def owned_features_of(model: Model, backbones: PyTree, data: FederatedData, client: jax.Array,
                       idx: jax.Array) -> jax.Array:
-    """Features of pool indices ``idx`` under client ``client``'s backbone (``backbones [K, ...]``)."""
-    backbone = jax.tree_util.tree_map(lambda b: b[client], backbones)
+    """Features of pool indices ``idx`` under client ``client``'s backbone (``backbones [K, ...]``, or
+    a :class:`~pfedkdh_jax.engine.client_rows.ClientRows` of them)."""
+    backbone = client_rows.row(backbones, client)
     return features_of(model, backbone, data, idx)
 
 

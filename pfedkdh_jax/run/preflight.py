@@ -32,6 +32,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pfedkdh_jax.engine.client_rows import is_client_rows
 from pfedkdh_jax.run.config import ConfigError
 
 MARGIN = 0.9   # of the available memory
@@ -83,10 +84,27 @@ def step_temp_bytes(num_classes: int, input_shape: tuple, batch: int) -> int:
 
 
 def per_client_bytes(state, num_clients: int) -> int:
-    """Bytes of the state's per-client leaves (a leading axis of ``num_clients``: heads, personal
-    models, per-client optimizer states)."""
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state)
-                   if x.ndim and x.shape[0] == num_clients))
+    """Bytes of the state's per-client leaves: those with a leading axis of ``num_clients`` (heads,
+    personal models, per-client optimizer states) and every
+    :class:`~pfedkdh_jax.engine.client_rows.ClientRows`' rows and row map."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(state, is_leaf=is_client_rows):
+        if is_client_rows(x):
+            total += _tree_bytes((x.rows, x.slot))
+        elif x.ndim and x.shape[0] == num_clients:
+            total += x.size * x.dtype.itemsize
+    return int(total)
+
+
+def selected_bytes(state, num_clients: int, clients: int) -> int:
+    """Bytes of what ``clients`` selected clients hold of the per-client state (a row each)."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(state, is_leaf=is_client_rows):
+        if is_client_rows(x):
+            total += clients * _tree_bytes(x.rows) // x.capacity
+        elif x.ndim and x.shape[0] == num_clients:
+            total += clients * x.size * x.dtype.itemsize // num_clients
+    return int(total)
 
 
 def update_bytes(algo, state, data, clients: int = 1, sums: int | None = None) -> tuple[int, int]:
@@ -119,7 +137,7 @@ def estimate(cfg, algo, data, layout, batched_reps: bool) -> dict:
     state = jax.eval_shape(lambda k: algo.init(k, data), jax.random.key(0))
     per_client = per_client_bytes(state, data.num_clients)
     shared = _tree_bytes(state) - per_client
-    states = cfg.reps * (3 * shared + per_client + 2 * per_client * cfg.clients_per_round // data.num_clients)
+    states = cfg.reps * (3 * shared + per_client + 2 * selected_bytes(state, data.num_clients, cfg.clients_per_round))
     sequential = layout.client_parallel == "sequential"
     one_update, round_updates = update_bytes(algo, state, data, cfg.clients_per_round,
                                              (layout.client_devices or 1) if sequential else None)
@@ -130,7 +148,9 @@ def estimate(cfg, algo, data, layout, batched_reps: bool) -> dict:
     step = step_temp_bytes(data.num_classes, tuple(data.input_shape), cfg.batch_size) * together
     return {"states": states, "updates": updates, "data": data_bytes, "local_training": step,
             "total": states + updates + data_bytes + step, "clients_at_once": together,
-            "per_client": per_client // data.num_clients, "per_update": one_update}
+            "per_client": per_client // data.num_clients, "per_update": one_update,
+            "row": max((_tree_bytes(x.rows) // x.capacity for x in jax.tree_util.tree_leaves(state, is_leaf=is_client_rows)
+                        if is_client_rows(x)), default=0)}
 
 
 def check(cfg, algo, data, layout, batched_reps: bool, available: int | None = None) -> dict | None:
@@ -150,7 +170,10 @@ def check(cfg, algo, data, layout, batched_reps: bool, available: int | None = N
     fit = int(max(MARGIN * available - est["data"] - est["local_training"] - est["updates"], 0)
               // max(cfg.reps * est["per_client"] * (1 + 2 * cfg.clients_per_round / k), 1))
     advice = {
-        "states": (f"fewer --clients: {cfg.method} keeps {gb(est['per_client'])} per client "
+        "states": (f"fewer --rounds or clients per round: {cfg.method} keeps {gb(est['row'])} for every client "
+                   f"a run trains, up to rounds × clients per round = {cfg.rounds * cfg.clients_per_round}"
+                   if est["row"] and client_bound else
+                   f"fewer --clients: {cfg.method} keeps {gb(est['per_client'])} per client "
                    f"(about {fit} clients fit)" if client_bound else
                    f"fewer --reps ({cfg.reps} states of {gb(est['states'] / cfg.reps)} each are held)"),
         "updates": ("fewer --" + ("reps or --" if batched_reps else "") + "clients-per-round (or a lower "
