@@ -377,3 +377,23 @@ def test_synthetic_images_are_learnable_and_reproducible():
     assert data.load_pool("synthetic", samples=300).images.shape[0] == 300
     with pytest.raises(data.DataError, match="synthetic"):
         data.synthetic_images(0)
+
+
+def test_owner_chunks_fit_the_clients_test_sizes_and_stack_at_the_largest():
+    from conftest import synthetic_pool
+    from pfedkdh_jax.data.device import build_federated_data, owner_chunk_size, stack_partitions
+
+    assert owner_chunk_size([2] * 10000) == 8                    # chunks of 256 would be 99 % padding
+    assert owner_chunk_size([900] * 20) >= 128
+    assert owner_chunk_size([900] * 20, limit=64) == 64
+    pool = synthetic_pool(400)
+    parts = [make_partition(pool.labels, num_clients=40, alpha=0.5, aux_size=0, min_client_samples=2, seed=s)
+             for s in (0, 1)]
+    datas = [build_federated_data(pool, p, eval_chunk=64, owner_chunk=c) for p, c in zip(parts, (8, 32))]
+    assert [d.owned_idx.shape[-1] for d in datas] == [8, 32]
+    stacked = stack_partitions(datas)
+    assert stacked.owned_idx.shape[-1] == 32
+    for r, p in enumerate(parts):    # every run's chunks hold exactly its clients' test samples, by owner
+        idx, slot = np.asarray(stacked.owned_idx[r]).ravel(), np.asarray(stacked.owned_slot[r])
+        for k in range(40):
+            assert sorted(idx[slot == k]) == sorted(p.test_idx[k])
