@@ -191,6 +191,18 @@ def test_ditto_with_rows_for_the_trained_clients_only_computes_the_same_run(tiny
     assert_close(fused_states[-1].personal.dense(), states[2].personal, tol=2e-5)
 
 
+def test_fedala_with_rows_for_the_trained_clients_only_computes_the_same_run(tiny, trained):
+    _, _, data = tiny
+    _, _, states, _, _ = trained("fedala")
+    _, _, rows_states, _, evaluation = runs(tiny, "fedala", rounds=2, personal_rows=3)
+    assert isinstance(rows_states[-1].local, ClientRows)
+    assert_close(rows_states[-1].local.dense(), states[2].local, tol=0)
+    dense_eval = RoundRunner(make_algo("fedala", data), data, Layout("sequential", "unrolled", chunk_steps=4)) \
+        .evaluate(states[2], data, jax.random.key(0))
+    np.testing.assert_array_equal(evaluation["personalized_per_client_accuracy"],
+                                  dense_eval["personalized_per_client_accuracy"])
+
+
 def test_a_run_keeps_rows_for_rounds_times_clients_per_round_when_fewer_than_its_clients():
     from pfedkdh_jax import algorithms
     from pfedkdh_jax.run.config import make_config
@@ -201,6 +213,8 @@ def test_a_run_keeps_rows_for_rounds_times_clients_per_round_when_fewer_than_its
     assert rows(num_clients=1000, participation=0.05, rounds=10) == 500
     assert rows(num_clients=20, participation=0.5, rounds=50) == 0           # the paper's setting: one per client
     assert rows(num_clients=1000, participation=0.05, rounds=10, method_args=(("personal_rows", "0"),)) == 0
+    cfg = make_config("default", method="fedala", num_clients=1000, participation=0.05, rounds=10)
+    assert algorithms.build(cfg, 10).config.personal_rows == 500
 
 
 # ---------------------------------------------------------------------------------------------- Ditto

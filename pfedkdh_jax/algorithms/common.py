@@ -140,12 +140,8 @@ class PersonalModelsState:
 
     @classmethod
     def create(cls, params: PyTree, num_clients: int, rows: int = 0) -> "PersonalModelsState":
-        """The global model ``params`` and every personal model a copy of it: ``[K, ...]``, or with
-        ``0 < rows < num_clients`` a :class:`~pfedkdh_jax.engine.client_rows.ClientRows` of ``rows``
-        rows (only the clients written so far hold one; the others read ``params``)."""
-        personal = (ClientRows.create(params, num_clients, rows) if 0 < rows < num_clients
-                    else broadcast(params, num_clients))
-        return cls(params=params, personal=personal, round=jnp.zeros((), jnp.int32))
+        """The global model ``params`` and every personal model a copy of it (:func:`client_models`)."""
+        return cls(params=params, personal=client_models(params, num_clients, rows), round=jnp.zeros((), jnp.int32))
 
 
 def personal_rows(cfg, args: dict) -> dict:
@@ -158,14 +154,21 @@ def personal_rows(cfg, args: dict) -> dict:
     return {**args, "personal_rows": most if most < cfg.num_clients else 0}
 
 
-def personal_eval_models(state: PersonalModelsState) -> EvalModels:
-    """Each client's personal model (backbone and head) scored on its own test split; the global model
-    for ``global_*`` (Ditto, pFedMe)."""
-    p = state.personal
+def personal_eval_models(personal: PyTree, global_model: PyTree) -> EvalModels:
+    """Each client's own model (``personal``: ``[K, ...]`` or a ClientRows of ``{"backbone", "head"}``)
+    scored on its own test split; ``global_model`` for ``global_*`` (Ditto, pFedMe, FedALA)."""
+    p = personal
     if isinstance(p, ClientRows):   # backbones read a client at a time; heads [K, ...] (small)
-        return EvalModels(backbone=p.part("backbone"), heads=p.part("head").dense(), global_model=state.params,
+        return EvalModels(backbone=p.part("backbone"), heads=p.part("head").dense(), global_model=global_model,
                           per_client=True)
-    return EvalModels(backbone=p["backbone"], heads=p["head"], global_model=state.params, per_client=True)
+    return EvalModels(backbone=p["backbone"], heads=p["head"], global_model=global_model, per_client=True)
+
+
+def client_models(params: PyTree, num_clients: int, rows: int = 0) -> PyTree:
+    """Every client's copy of ``params``: ``[K, ...]``, or with ``0 < rows < num_clients`` a
+    :class:`~pfedkdh_jax.engine.client_rows.ClientRows` of ``rows`` rows (only the clients written so
+    far hold one; the others read ``params``)."""
+    return ClientRows.create(params, num_clients, rows) if 0 < rows < num_clients else broadcast(params, num_clients)
 
 
 # ------------------------------------------------------------------------------ per-client pytrees

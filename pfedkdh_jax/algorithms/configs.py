@@ -147,15 +147,20 @@ class FedBABUConfig(LocalConfig):
     SMOKE: ClassVar[dict[str, Any]] = {"finetune_epochs": 1}
 
 
+def _personal_rows():
+    """The option of a method that keeps a whole model per client (Ditto, pFedMe, FedALA): where."""
+    return option(0, "rows kept for personal models: 0 = one per client; 0 < N < K keeps them only for the "
+                  "clients trained so far, up to N (the others stay at the start); a run sets rounds × clients "
+                  "per round when that is below K", non_negative, ">= 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class DittoConfig(LocalConfig):
     """Ditto: λ of the personal objective's proximal term."""
 
     lam: float = option(1.0, "λ, weight of the proximal term of the personal objective", non_negative, ">= 0")
     personal_optimizer: Any = option(None, "the personal models' optimizer (at lr): " + OPTIMIZER_HELP, **_OPT)
-    personal_rows: int = option(0, "rows kept for personal models: 0 = one per client; 0 < N < K keeps them "
-                                "only for the clients trained so far, up to N (the others stay at the start); "
-                                "a run sets rounds × clients per round when that is below K", non_negative, ">= 0")
+    personal_rows: int = _personal_rows()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,9 +175,7 @@ class PFedMeConfig(LocalConfig):
                          "> 0 (β = 0 would freeze the global model)")
     personal_optimizer: Any = option(None, "the inner problem's optimizer (at personal_lr): " + OPTIMIZER_HELP,
                                      **_OPT)
-    personal_rows: int = option(0, "rows kept for personal models: 0 = one per client; 0 < N < K keeps them "
-                                "only for the clients trained so far, up to N (the others stay at the start); "
-                                "a run sets rounds × clients per round when that is below K", non_negative, ">= 0")
+    personal_rows: int = _personal_rows()
 
 
 PROTO_WEIGHTINGS = ("count", "uniform")
@@ -194,6 +197,7 @@ class FedALAConfig(LocalConfig):
     eta: float = option(1.0, "η, ALA weight learning rate", positive, "> 0")
     rand_percent: int = option(80, "s, % of local train data used by ALA", lambda v: 0 < v <= 100, "in (0, 100]")
     start_epochs: int = option(20, "ALA epochs the first time a client runs it (then 1)", at_least_one, ">= 1")
+    personal_rows: int = _personal_rows()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,7 +112,7 @@ class Ditto(Algorithm):
 
     def eval_models(self, state: DittoState) -> EvalModels:
         """Each client's personal model; the global model w for the ``global_*`` metrics."""
-        return C.personal_eval_models(state)
+        return C.personal_eval_models(state.personal, state.params)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> Ditto:

@@ -3,7 +3,8 @@
 J. Zhang, Y. Hua, H. Wang, T. Song, Z. Xue, R. Ma, H. Guan, "FedALA: Adaptive Local Aggregation for
 Personalized Federated Learning", AAAI 2023 (arXiv:2212.01197).
 
-The server runs FedAvg on whole models. Client k keeps its local model Θ_k (``[K, ...]``) and
+The server runs FedAvg on whole models. Client k keeps its local model Θ_k (``[K, ...]``, or rows for the
+clients trained so far: ``personal_rows``) and
 element-wise aggregation weights W_k (shaped like the head, in [0, 1], starting at 1). When selected
 it first initialises its model by ALA (Algorithm 1, lines 6–16; ``client_start``):
 
@@ -33,6 +34,9 @@ Hyperparameters (``--method-arg``; the paper's defaults):
 * ``rand_percent`` = 80 — s, the percentage of local train data sampled for ALA;
 * ``start_epochs`` = 20 — fixed replacement of the first "until converged" loop (≥ 11, the fewest the
   authors' stopping rule allows).
+* ``personal_rows`` = 0 — where the Θ_k are kept: 0, ``[K, ...]``; 0 < N < K, N rows for the clients
+  trained so far (:class:`~pfedkdh_jax.engine.client_rows.ClientRows`; the others read the initial
+  model). The same numbers either way; a run sets ``rounds × clients per round`` when that is below K.
 
 p = 1 (the head) is fixed by the backbone/head split of this CNN (the authors' ``layer_idx = 2`` counts
 the head's weight and bias). The ALA batch size is the run's batch size, like the authors'. Differences
@@ -69,7 +73,7 @@ _ALA_STREAM = 7  # fold_in tag of ALA's sampling key, distinct from the local-tr
 @struct.dataclass
 class FedALAState:
     params: PyTree       # the global model {"backbone", "head"}
-    local: PyTree        # every client's local model after its last local training, [K, ...]
+    local: PyTree        # every client's local model after its last local training: [K, ...] or ClientRows
     weights: PyTree      # W_k, head-shaped ALA weights in [0, 1], [K, ...]
     started: jax.Array   # bool [K], whether the client has had its first ("start phase") ALA
     round: jax.Array     # int32 [], rounds completed
@@ -91,7 +95,7 @@ class FedALA(Algorithm):
         params = C.init_params(self.model, key, data)
         k = data.num_clients
         return FedALAState(
-            params=params, local=C.broadcast(params, k),
+            params=params, local=C.client_models(params, k, self.config.personal_rows),
             weights=C.broadcast(jax.tree_util.tree_map(jnp.ones_like, params["head"]), k),
             started=jnp.zeros((k,), bool), round=jnp.zeros((), jnp.int32))
 
@@ -181,10 +185,9 @@ class FedALA(Algorithm):
 
     def eval_models(self, state: FedALAState) -> EvalModels:
         """Each client's local model; the global model for ``global_*``."""
-        return EvalModels(backbone=state.local["backbone"], heads=state.local["head"],
-                          global_model=state.params, per_client=True)
+        return C.personal_eval_models(state.local, state.params)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> FedALA:
     """FedALA of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return FedALA(C.cnn(cfg, num_classes), FedALAConfig(**C.local_config(cfg), **args))
+    return FedALA(C.cnn(cfg, num_classes), FedALAConfig(**C.local_config(cfg), **C.personal_rows(cfg, args)))

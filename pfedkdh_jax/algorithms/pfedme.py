@@ -142,7 +142,7 @@ class PFedMe(Algorithm):
 
     def eval_models(self, state: PFedMeState) -> EvalModels:
         """Each client's last personalized model θ_k; the global model w for ``global_*``."""
-        return C.personal_eval_models(state)
+        return C.personal_eval_models(state.personal, state.params)
 
 
 def from_config(cfg, num_classes: int, args: dict) -> PFedMe:
