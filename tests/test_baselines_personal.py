@@ -181,7 +181,8 @@ def test_ditto_with_rows_for_the_trained_clients_only_computes_the_same_run(tiny
     assert int(last.personal.used) == 3 and int(last.personal.lost) == 0
     assert_close(last.params, states[2].params, tol=0)
     assert_close(last.personal.dense(), states[2].personal, tol=0)
-    assert_close(rows_metrics, metrics[:2], tol=0)
+    assert [int(m["rows_lost"]) for m in rows_metrics] == [0, 0]
+    assert_close([{k: m[k] for k in metrics[0]} for m in rows_metrics], metrics[:2], tol=0)
     dense_eval = RoundRunner(make_algo("ditto", data), data, Layout("sequential", "unrolled", chunk_steps=4)) \
         .evaluate(states[2], data, jax.random.key(0))
     for key in ("personalized_per_client_accuracy", "global_macro_accuracy"):
@@ -201,6 +202,12 @@ def test_fedala_with_rows_for_the_trained_clients_only_computes_the_same_run(tin
         .evaluate(states[2], data, jax.random.key(0))
     np.testing.assert_array_equal(evaluation["personalized_per_client_accuracy"],
                                   dense_eval["personalized_per_client_accuracy"])
+
+
+def test_a_run_stops_when_a_client_finds_no_row():
+    from pfedkdh_jax.run import records
+    assert records.divergence({"rows_lost": 0.0}, 0) is None
+    assert "personal_rows is below the clients trained" in records.divergence({"rows_lost": 2.0}, 0)
 
 
 def test_a_run_keeps_rows_for_rounds_times_clients_per_round_when_fewer_than_its_clients():

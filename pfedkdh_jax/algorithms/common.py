@@ -194,6 +194,13 @@ def round_metrics(updates) -> dict:
     return {"train_loss": jnp.mean(updates.loss), "client_loss": updates.loss}
 
 
+def with_rows_lost(metrics: dict, table) -> dict:
+    """``metrics`` with ``rows_lost`` where ``table`` is a ClientRows: the clients it could not give a
+    row so far (0 unless its ``personal_rows`` is below the clients trained; a run stops on it,
+    :func:`pfedkdh_jax.run.records.divergence`)."""
+    return {**metrics, "rows_lost": table.lost} if isinstance(table, ClientRows) else metrics
+
+
 # ------------------------------------------------------------------------------------ objectives
 def cross_entropy_loss(model: Model):
     """``(params, ctx, x, y, mask, rng) -> masked mean CE`` of the full model (ctx unused)."""

@@ -103,7 +103,7 @@ class Ditto(Algorithm):
         del key
         params = self.aggregate(updates.params["global"], data.train_n[selected])
         personal = C.put(state.personal, selected, updates.params["personal"])
-        metrics = C.round_metrics(updates)
+        metrics = C.with_rows_lost(C.round_metrics(updates), personal)
         return state.replace(params=params, personal=personal, round=state.round + 1), metrics
 
     def aggregate(self, uploads: PyTree, weights: jax.Array) -> PyTree:

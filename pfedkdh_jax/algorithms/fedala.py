@@ -176,9 +176,10 @@ class FedALA(Algorithm):
                       updates: ClientUpdate, key: jax.Array) -> tuple[FedALAState, dict]:
         del key
         params = C.weighted_average(updates.params, data.train_n[selected])
-        metrics = C.round_metrics(updates)
+        local = C.put(state.local, selected, updates.params)
+        metrics = C.with_rows_lost(C.round_metrics(updates), local)
         return state.replace(
-            params=params, local=C.put(state.local, selected, updates.params),
+            params=params, local=local,
             weights=C.put(state.weights, selected, updates.aux["weights"]),
             started=state.started.at[selected].set(updates.aux["started"]),
             round=state.round + 1), metrics

@@ -129,7 +129,7 @@ class PFedMe(Algorithm):
         del key
         params = self.aggregate(state.params, updates.params["w"], data.train_n[selected])
         personal = C.put(state.personal, selected, updates.params["theta"])
-        metrics = C.round_metrics(updates)
+        metrics = C.with_rows_lost(C.round_metrics(updates), personal)
         return state.replace(params=params, personal=personal, round=state.round + 1), metrics
 
     def aggregate(self, params: PyTree, uploads: PyTree, weights: jax.Array) -> PyTree:

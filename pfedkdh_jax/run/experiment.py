@@ -417,7 +417,8 @@ def _train(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, groups: list[_Group
 
 
 def _stop_on_divergence(cfgs, runs: _Runs, eng: _Engine, histories, rep_rows, t: int) -> None:
-    """A repetition's non-finite (or too large) loss or accuracy ends the run: its summary says so."""
+    """A repetition's non-finite (or too large) loss or accuracy, or clients a ClientRows could not
+    place, ends the run: its summary says so."""
     for i, c in enumerate(cfgs):
         for rep in rep_rows[i]:
             problem = records.divergence(rep, c.divergence_loss)
@@ -426,8 +427,8 @@ def _stop_on_divergence(cfgs, runs: _Runs, eng: _Engine, histories, rep_rows, t:
                                           status=f"diverged at round {t + 1}")
                 records.write_json(os.path.join(c.out, "summary.json"), summary)
                 who = f" in repetition {rep['seed'] - c.seed} (seed {rep['seed']})" if c.reps > 1 else ""
-                raise DivergenceError(f"{problem}{who} at round {t + 1} (try a smaller --lr); "
-                                      f"everything up to it is in {c.out}")
+                hint = "" if rep.get("rows_lost", 0) > 0 else " (try a smaller --lr)"
+                raise DivergenceError(f"{problem}{who} at round {t + 1}{hint}; everything up to it is in {c.out}")
 
 
 def _finish(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, histories: list, seconds: float, log) -> list[dict]:
