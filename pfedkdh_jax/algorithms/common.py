@@ -157,11 +157,11 @@ def personal_rows(cfg, args: dict) -> dict:
 def personal_eval_models(personal: PyTree, global_model: PyTree) -> EvalModels:
     """Each client's own model (``personal``: ``[K, ...]`` or a ClientRows of ``{"backbone", "head"}``)
     scored on its own test split; ``global_model`` for ``global_*`` (Ditto, pFedMe, FedALA)."""
-    p = personal
-    if isinstance(p, ClientRows):   # backbones read a client at a time; heads [K, ...] (small)
-        return EvalModels(backbone=p.part("backbone"), heads=p.part("head").dense(), global_model=global_model,
-                          per_client=True)
-    return EvalModels(backbone=p["backbone"], heads=p["head"], global_model=global_model, per_client=True)
+    if isinstance(personal, ClientRows):   # backbones read a client at a time; heads [K, ...] (small)
+        backbone, heads = personal.part("backbone"), personal.part("head").dense()
+    else:
+        backbone, heads = personal["backbone"], personal["head"]
+    return EvalModels(backbone=backbone, heads=heads, global_model=global_model, per_client=True)
 
 
 def client_models(params: PyTree, num_clients: int, rows: int = 0) -> PyTree:

@@ -1,6 +1,7 @@
 """Per-client values kept only for the clients that have one: :class:`ClientRows`.
 
-A method that keeps a whole model per client (Ditto's and pFedMe's personal models) holds ``[K, ...]``
+A method that keeps a whole model per client (Ditto's and pFedMe's personal models, FedALA's local ones)
+holds ``[K, ...]``
 of them, K full models, although a run of R rounds of C clients writes at most R·C rows: at K = 10,000
 clients, 100 a round, 10 rounds, 1,000 of the 10,000 personal models ever differ from their start.
 :class:`ClientRows` keeps a table of ``capacity`` rows and, per client, the row that holds its value
@@ -107,18 +108,18 @@ def put_rows(tree: PyTree, clients: jax.Array, values: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda x, r: x.at[clients].set(r), tree, values)
 
 
-def dense(tree: PyTree) -> PyTree:
-    """Every client's value ``[K, ...]`` of a per-client pytree (a :class:`ClientRows` materialized)."""
-    return tree.dense() if isinstance(tree, ClientRows) else tree
-
-
 def is_client_rows(x) -> bool:
     return isinstance(x, ClientRows)
 
 
+def tables(tree: PyTree) -> list[ClientRows]:
+    """Every :class:`ClientRows` in ``tree``."""
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_client_rows) if is_client_rows(x)]
+
+
 def has_client_rows(tree: PyTree) -> bool:
     """Whether ``tree`` holds a :class:`ClientRows` anywhere."""
-    return any(is_client_rows(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_client_rows))
+    return bool(tables(tree))
 
 
 def restrict(tree: PyTree, clients: jax.Array) -> PyTree:

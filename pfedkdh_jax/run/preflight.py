@@ -32,7 +32,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pfedkdh_jax.engine.client_rows import is_client_rows
+from pfedkdh_jax.engine.client_rows import is_client_rows, tables
 from pfedkdh_jax.run.config import ConfigError
 
 MARGIN = 0.9   # of the available memory
@@ -83,11 +83,6 @@ def step_temp_bytes(num_classes: int, input_shape: tuple, batch: int) -> int:
     return int(analysis.temp_size_in_bytes) if analysis is not None else 0
 
 
-def _tables(state) -> list:
-    """The state's :class:`~pfedkdh_jax.engine.client_rows.ClientRows`."""
-    return [x for x in jax.tree_util.tree_leaves(state, is_leaf=is_client_rows) if is_client_rows(x)]
-
-
 def _dense_per_client(state, num_clients: int) -> list:
     """The state's leaves with a leading axis of ``num_clients`` (outside any ClientRows)."""
     return [x for x in jax.tree_util.tree_leaves(state, is_leaf=is_client_rows)
@@ -99,12 +94,12 @@ def per_client_bytes(state, num_clients: int) -> int:
     personal models, per-client optimizer states) and every
     :class:`~pfedkdh_jax.engine.client_rows.ClientRows`' rows and row map."""
     return int(sum(x.size * x.dtype.itemsize for x in _dense_per_client(state, num_clients))
-               + sum(_tree_bytes((t.rows, t.slot)) for t in _tables(state)))
+               + sum(_tree_bytes((t.rows, t.slot)) for t in tables(state)))
 
 
 def row_bytes(state) -> int:
     """Bytes of one row of the state's ClientRows (0: none)."""
-    return int(sum(_tree_bytes(t.rows) // t.capacity for t in _tables(state)))
+    return int(sum(_tree_bytes(t.rows) // t.capacity for t in tables(state)))
 
 
 def selected_bytes(state, num_clients: int, clients: int) -> int:
