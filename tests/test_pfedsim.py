@@ -7,6 +7,7 @@ import pytest
 
 from pfedkdh_jax.algorithms import common as C
 from pfedkdh_jax.algorithms import fedavg, pfedsim
+from pfedkdh_jax.engine.client_rows import ClientRows
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.protocol import Algorithm
 from pfedkdh_jax.engine.runner import RoundRunner
@@ -113,3 +114,90 @@ def test_personalized_rounds(tiny):
     for x, y in zip(jax.tree_util.tree_leaves(start.params["backbone"]), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
     assert leaves_equal(start.params["head"], C.take(third.models["head"], 3))   # own classifier
+
+
+def test_stored_models_in_rows_for_the_clients_trained_since_the_warmup_compute_the_same_run(tiny):
+    """R_w = 1, then rounds of [1, 3], [0, 1], [3, 0]: three rows hold every model stored since the
+    warm-up, W over them; the stored models, W, the downloads and the evaluation are the dense run's.
+    With two rows, one client finds none and the round says so (rows_lost)."""
+    _, _, data = tiny
+
+    def algo(rows):
+        return pfedsim.PFedSim(CNN(data.num_classes), pfedsim.PFedSimConfig(**LC, rounds=4, warmup=1,
+                                                                           personal_rows=rows))
+    dense_runner, dense = runs(tiny, algo(0), 4)
+    rows_runner, rows = runs(tiny, algo(3), 4)
+    last = rows[-1].models
+    assert isinstance(last, ClientRows) and last.capacity == 3 and int(last.lost) == 0
+    assert rows[-1].similarity.shape == (3, 3) and rows[-1].downloads is None
+    slot = np.asarray(last.slot)
+    assert sorted(slot[[0, 1, 3]]) == [0, 1, 2] and slot[2] == -1        # client 2: never trained since R_w
+    for t in range(1, 5):
+        assert_trees_close(rows[t].params, dense[t].params)
+        assert_trees_close(rows[t].models.dense(), dense[t].models)
+    w_dense = np.asarray(dense[-1].similarity)
+    w_rows = np.asarray(rows[-1].similarity)
+    for i in (0, 1, 3):
+        for j in (0, 1, 3):
+            assert w_rows[slot[i], slot[j]] == pytest.approx(w_dense[i, j], abs=1e-6)
+    assert w_dense[2, [0, 1, 3]].max() == 0.0
+    # a download mixed by round_start (the runner's) and one mixed by the client itself agree
+    ready = rows_runner.round_fn.algo.round_start(rows[-1], data, jnp.array([2, 3]))
+    for k in (2, 3):
+        got = jax.jit(rows_runner.algo.client_start)(ready, data, jnp.int32(k), jax.random.key(0)).params
+        own = jax.jit(dense_runner.algo.client_start)(dense[-1], data, jnp.int32(k), jax.random.key(0)).params
+        assert_trees_close(got, own)
+    m_rows = rows_runner.evaluate(rows[-1], data, jax.random.key(0))
+    m_dense = dense_runner.evaluate(dense[-1], data, jax.random.key(0))
+    np.testing.assert_array_equal(m_rows["personalized_per_client_accuracy"], m_dense["personalized_per_client_accuracy"])
+    # the pure round (one program: round_start, clients vmapped, steps scanned) reads and writes the rows alike
+    fused = pfedsim.PFedSim(CNN(data.num_classes), pfedsim.PFedSimConfig(**LC, rounds=4, warmup=1, personal_rows=3))
+    fused_runner = RoundRunner(fused, data, Layout("vmap", "scan"))
+    state = fused.init(jax.random.key(0), data)
+    for t, sel in enumerate(SELECTED):
+        state = fused_runner.round(state, data, sel, jax.random.key(100 + t))[0]
+    assert "round" in fused_runner.traces
+    assert_trees_close(state.models.dense(), dense[-1].models, tol=2e-5)
+    # two rows for three clients: the third (client 0, round 3) finds none
+    short_runner = RoundRunner(algo(2), data, Layout("sequential", "unrolled", chunk_steps=4))
+    state = short_runner.algo.init(jax.random.key(0), data)
+    lost = []
+    for t, sel in enumerate(SELECTED):
+        state, metrics = short_runner.round(state, data, sel, jax.random.key(100 + t))
+        lost.append(int(metrics["rows_lost"]))
+    assert lost == [0, 0, 1, 2]     # every placement that failed, so far: client 0 in rounds 3 and 4
+
+
+def test_a_run_keeps_rows_for_the_clients_it_trains_after_the_warmup_when_fewer_than_its_clients():
+    from pfedkdh_jax import algorithms
+    from pfedkdh_jax.run.config import make_config
+
+    def rows(**kw):
+        return algorithms.build(make_config("default", method="pfedsim", **kw), 10).config.personal_rows
+    assert rows(num_clients=1000, participation=0.05, rounds=10) == 250      # (10 − 5) × 50
+    assert rows(num_clients=20, participation=0.5, rounds=50) == 0           # the paper's setting
+    assert rows(num_clients=1000, participation=0.05, rounds=10, method_args=(("personal_rows", "0"),)) == 0
+
+
+def assert_trees_close(a, b, tol=1e-6):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+def test_round_start_and_the_rows_view_hand_back_the_leaves_they_pass_through():
+    """A compiled call outputs fresh buffers: the runner's round_start and ClientRows view return the
+    state's own arrays for what they leave unchanged (the stored models), not copies of them."""
+    from pfedkdh_jax.engine.runner import _NewLeaves
+    calls = []
+
+    def compiled(name, make, axes):
+        calls.append(name)
+        return jax.jit(make(None))
+    add = _NewLeaves(compiled, "add", lambda a: lambda s, x: {**s, "new": s["big"][:1] * x}, (0, 0))
+    state = {"big": jnp.arange(6.0), "small": jnp.ones(2)}
+    out = add(state, 2.0)
+    assert out["big"] is state["big"] and out["small"] is state["small"]
+    np.testing.assert_array_equal(out["new"], [0.0])
+    out = add(state, 3.0)   # the second call: the passthrough recorded at the trace
+    assert out["big"] is state["big"] and calls == ["add"]

@@ -207,6 +207,10 @@ class PFedSimConfig(LocalConfig):
     rounds: int = option(50, "R, the run's rounds (R_w is a share of it)", at_least_one, ">= 1", cli=False)
     warmup: float = option(0.5, "R_w: a fraction of the rounds if < 1, else a round count", non_negative,
                            ">= 0 (a fraction of the rounds if < 1, else a round count)")
+    personal_rows: int = option(0, "rows kept for the stored models: 0 = one per client; 0 < N < K keeps them "
+                                "only for the clients trained since the warm-up, up to N (the others hold the "
+                                "warm-up's global model); a run sets (rounds − R_w) × clients per round when "
+                                "that is below K", non_negative, ">= 0")
 
     @property
     def warmup_rounds(self) -> int:

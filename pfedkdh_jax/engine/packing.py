@@ -153,7 +153,9 @@ class PackedRound:
             states, data, selected, local, keys, hparams), counts
 
     def __call__(self, states, data: FederatedData, selected: jax.Array, keys: jax.Array, hparams=None):
-        updates, (useful, computed) = self.updates(states, data, selected, keys, hparams)
+        prepared = jax.vmap(lambda s, dt, sel, h: self.algo_of(h).round_start(s, dt, sel),
+                            in_axes=(0, data_axes(data), 0, 0))(states, data, selected, hparams)
+        updates, (useful, computed) = self.updates(prepared, data, selected, keys, hparams)
         states, metrics = jax.vmap(lambda s, dt, sel, u, k, h: self.algo_of(h).server_update(s, dt, sel, u, k),
                                    in_axes=(0, data_axes(data), 0, 0, 0, 0))(
             states, data, selected, updates, keys, hparams)

@@ -27,6 +27,9 @@ piece                        what it is                                         
 ``before_training``          ``(state, data, key, train) -> state``: once before round 0; the    unchanged
                              ``train`` service runs a local problem with the engine's layout
 ``trainer``                  the local problem (:class:`~pfedkdh_jax.engine.local.LocalTrainer`)  –
+``round_start``              ``(state, data, selected [C]) -> state``: what the server prepares   unchanged
+                             for the round's clients before any starts (pFedSim's mixed
+                             downloads); the clients read the result, the server step the state
 ``context``                  ``(state) -> ctx``: what every selected client receives              ``None``
 ``client_start``             ``(state, data, k, key) -> LocalState``: client k's starting point  –
 ``local_samples``            ``n_k -> samples`` client k visits per epoch (host ints, static)    ``n_k``
@@ -259,6 +262,16 @@ class Algorithm:
     def trainer(self) -> LocalTrainer:
         raise NotImplementedError
 
+    def round_start(self, state: PyTree, data, selected: jax.Array) -> PyTree:
+        """The server's preparation for the round's clients ``selected [C]``, before any of them starts:
+        the state the round's ``context``, ``client_start`` and ``client_finish`` read (pFedSim mixes
+        the selected clients' downloads here, once, from every stored model). ``server_update`` gets
+        the state as it was, so what this adds must not be needed by it. Pure and jittable; a method
+        whose ``client_start`` also works on an unprepared state keeps every caller of it correct.
+        Default: the state unchanged (and the engine skips the call)."""
+        del data, selected
+        return state
+
     def context(self, state: PyTree) -> PyTree:
         """What every selected client receives besides its start (e.g. a frozen teacher)."""
         del state
@@ -340,6 +353,11 @@ class Algorithm:
     def phases(self) -> tuple[Phase, ...]:
         """The phases of a run, in order. Default: one, this algorithm for every round."""
         return (Phase(self),)
+
+
+def prepares_rounds(algo: Algorithm) -> bool:
+    """Whether ``algo`` defines its own :meth:`Algorithm.round_start`."""
+    return type(algo).round_start is not Algorithm.round_start
 
 
 def splits_uploads(algo: Algorithm) -> bool:

@@ -2,8 +2,8 @@
 
 ``round_fn = make_round(algo, layout)`` is ``(state, data, selected [C], key) -> (state, metrics)``,
 un-jitted: jit it, vmap it over a repetition axis or shard it inside your own program. Inside, every
-selected client starts (``client_start``), takes all its local steps, and finishes
-(``client_finish``); the updates, stacked ``[C, ...]``, go to ``server_update``. The layout says how:
+selected client starts (``client_start``, from the state as ``round_start`` prepared it), takes all
+its local steps, and finishes (``client_finish``); the updates, stacked ``[C, ...]``, go to ``server_update``. The layout says how:
 clients ``vmap``-ed or one after another (``lax.map``), steps in a ``lax.scan`` or unrolled. Every
 client is given as many steps as the largest client of the federation (``data.train_sizes``, static);
 steps past a client's own are no-ops, so nothing retraces whoever is selected.
@@ -112,6 +112,7 @@ class RoundPieces:
     def updates(self, state, data: FederatedData, selected: jax.Array, key: jax.Array) -> ClientUpdate:
         """Every selected client's :class:`ClientUpdate`, stacked ``[C, ...]``."""
         p, mesh = self.problem, self.client_mesh
+        state = self.algo.round_start(state, data, selected)
 
         def train(state, data, selected, key):
             return p.clients(state, self.algo.context(state), data, selected, key, p.max_steps(data),

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pfedkdh_jax.engine.protocol import Algorithm, splits_uploads
+from pfedkdh_jax.engine.protocol import Algorithm, prepares_rounds, splits_uploads
 from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine import client_rows, scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
@@ -448,6 +448,37 @@ class _Means:
         return tuple(got.get(i, zero) for i in range(self.devices))
 
 
+class _NewLeaves:
+    """A compiled pytree-to-pytree call that computes only the leaves its function makes: the leaves it
+    returns unchanged from its first argument (the same tracers) are handed back from the input
+    instead. A jitted output is a fresh buffer, so a function that returns the state with one field
+    added (``round_start``) or cut (``client_rows.restrict``) would otherwise copy the whole state,
+    every per-client table too, at every call. Which output leaves pass through is recorded when the
+    call is traced (once: the state's structure is the same every round)."""
+
+    def __init__(self, compiled, name: str, make, axes):
+        self._passthrough: list[int] = []
+        self._treedef = None
+
+        def fresh_of(a):
+            fn = make(a)
+
+            def fresh(state, *rest):
+                out = fn(state, *rest)
+                given = {id(x): i for i, x in enumerate(jax.tree_util.tree_leaves(state))}
+                leaves, self._treedef = jax.tree_util.tree_flatten(out)
+                self._passthrough = [given.get(id(x), -1) for x in leaves]
+                return [x for x, i in zip(leaves, self._passthrough) if i < 0]
+            return fresh
+        self._call = compiled(name, fresh_of, axes)
+
+    def __call__(self, state, *rest):
+        made = iter(self._call(state, *rest))
+        given = jax.tree_util.tree_leaves(state)
+        return jax.tree_util.tree_unflatten(self._treedef, [given[i] if i >= 0 else next(made)
+                                                            for i in self._passthrough])
+
+
 class _Spread:
     """The local devices that sequential clients are spread over (``Layout.client_devices``).
 
@@ -542,9 +573,11 @@ class RoundRunner:
             return make_round(a, layout).problem
         self._clients = _ClientCalls(compiled, layout, problem_of, self.round_fn.problem, largest, "", d,
                                      None if workload is None else workload.visits(k))
+        self._round_start = (_NewLeaves(compiled, "round_start", lambda a: a.round_start, (0, d, 0))
+                             if prepares_rounds(algo) else None)
         self._context = compiled("context", lambda a: a.context, (0,))
         # the state the client pieces see: each ClientRows cut to the round's clients (client_rows.restrict)
-        self._view = compiled("client_rows_view", lambda a: client_rows.restrict, (0, 0))
+        self._view = _NewLeaves(compiled, "client_rows_view", lambda a: client_rows.restrict, (0, 0))
         self._server = compiled("server_update", lambda a: a.server_update, (0, d, 0, 0, 0))
         # sequential clients of a method that splits its uploads: a running mean instead of C uploads
         self._means = (_Means(compiled, d, 1 if self.spread is None else len(self.spread.devices), problem_of)
@@ -620,10 +653,12 @@ class RoundRunner:
         state = self._pin(state)
         if self.fused:
             return self._fused(state, data, sel, key)
-        ctx = self._context(state)
+        # what the server prepares for the round's clients (pFedSim's downloads), before the cut below
+        ready = self._round_start(state, data, sel) if self._round_start is not None else state
+        ctx = self._context(ready)
         # per-client tables of rows (ClientRows) reach the clients cut to theirs: a round copies C rows
         # to another device, not the table
-        view = self._view(state, sel) if client_rows.has_client_rows(state) else state
+        view = self._view(ready, sel) if client_rows.has_client_rows(ready) else ready
         if self.layout.client_parallel == "vmap":
             updates = self._clients.run_all(view, ctx, data, selected, key, self.place)
         elif self._means is not None:   # only the rests are stacked; the averaged parts summed as they come
