@@ -225,7 +225,12 @@ class PFedSim(Algorithm):
 
         def pick(a, b):
             return jax.tree_util.tree_map(lambda x, y: jnp.where(personal, x, y), a, b)
-        models = pick(models, warm_models)
+        if isinstance(models, ClientRows):
+            # the rows as written in both phases (in the warm-up no slot points at them, and the switch
+            # frees them): no select over the whole table
+            models = pick(models.replace(rows=None), warm_models.replace(rows=None)).replace(rows=models.rows)
+        else:
+            models = pick(models, warm_models)
         return (state.replace(params=pick(state.params, params), models=models,
                               similarity=jnp.where(personal, w, warm_w), round=done, downloads=None),
                 C.with_rows_lost(C.round_metrics(updates), models))

@@ -405,7 +405,7 @@ class _Means:
     differs from the stacked mean's (:func:`~pfedkdh_jax.engine.protocol.sample_mean`), so the two agree
     to float32 rounding."""
 
-    def __init__(self, compiled, d, devices: int, problem_of):
+    def __init__(self, compiled, d, devices: int, problem_of, donate_state=None):
         def shapes(a):   # a client's weighted part from its start and finish (no steps): for its shapes
             p = problem_of(a)
             return lambda s, dt, sel, k: _mean_split(a, p.finish(s, dt, sel, p.start(s, dt, sel, k), k), dt, sel)[0]
@@ -419,7 +419,7 @@ class _Means:
         self._shapes = None
         self.add = compiled("mean_add", lambda a: functools.partial(_mean_add, a), (0, 0, d, 0), donate=0)
         self.server = compiled("server_update_from_mean", lambda a: functools.partial(server, a),
-                               (0, d, 0, 0, 0, 0))
+                               (0, d, 0, 0, 0, 0), donate=donate_state)
         self.devices = devices
         self._sums: dict[int, Any] = {}
 
@@ -446,6 +446,24 @@ class _Means:
             got = {i: jax.device_put(s, first_device) for i, s in got.items()}
         zero = jax.tree_util.tree_map(jnp.zeros_like, got[min(got)]) if len(got) < self.devices else None
         return tuple(got.get(i, zero) for i in range(self.devices))
+
+
+def _unshared(state):
+    """``state`` with a copy of every leaf after the first that holds the same buffer as another (a fresh
+    ``init`` may hand one array to two fields, e.g. a ClientRows' base and the global model): a donated
+    buffer may appear only once in a call's arguments."""
+    seen: set = set()
+
+    def one(x):
+        try:
+            key = tuple(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
+        except (AttributeError, RuntimeError, NotImplementedError):
+            key = id(x)
+        if key in seen:
+            return jnp.copy(x)
+        seen.add(key)
+        return x
+    return jax.tree_util.tree_map(one, state)
 
 
 class _NewLeaves:
@@ -516,13 +534,18 @@ class RoundRunner:
 
     def __init__(self, algo: Algorithm, data: FederatedData, layout: Layout = Layout(), *,
                  reps: int | None = None, mesh: jax.sharding.Mesh | None = None,
-                 hparams: dict | None = None, workload: Workload | None = None):
+                 hparams: dict | None = None, workload: Workload | None = None, donate_state: bool = False):
+        # donate_state: a round may reuse the buffers of the state it is given (its server step then
+        # writes the per-client tables in place instead of into new ones); for a caller that drops
+        # the state it passes in (the CLI's loop). Default: the state passed in stays valid.
         # hparams: {field: [R] values} of repetitions that differ in plain-number hyperparameters
         # (stacked runs): every piece then rebuilds the algorithm inside its trace from its
         # repetition's values (``algo.with_hparams``), so one program serves them all;
         # workload: the rounds this runner will train (and evaluations), so that the host plans
         # compile only the narrow step widths that pay (None: every width its clients meet)
         self.algo, self.reps, self.mesh = algo, reps, mesh
+        self.donate_state = donate_state
+        state_donation = 0 if donate_state else None
         if hparams is not None and reps is None:
             raise ValueError("hparams are per repetition: they need reps")
         self.hparams = hparams
@@ -578,9 +601,10 @@ class RoundRunner:
         self._context = compiled("context", lambda a: a.context, (0,))
         # the state the client pieces see: each ClientRows cut to the round's clients (client_rows.restrict)
         self._view = _NewLeaves(compiled, "client_rows_view", lambda a: client_rows.restrict, (0, 0))
-        self._server = compiled("server_update", lambda a: a.server_update, (0, d, 0, 0, 0))
+        self._server = compiled("server_update", lambda a: a.server_update, (0, d, 0, 0, 0), donate=state_donation)
         # sequential clients of a method that splits its uploads: a running mean instead of C uploads
-        self._means = (_Means(compiled, d, 1 if self.spread is None else len(self.spread.devices), problem_of)
+        self._means = (_Means(compiled, d, 1 if self.spread is None else len(self.spread.devices), problem_of,
+                              state_donation)
                        if splits_uploads(algo) and layout.client_parallel == "sequential" else None)
         # sequential clients: each one's upload written in place into one [C, ...] buffer as it comes
         self._rows = _Rows(axis=0 if reps is None else 1)
@@ -590,7 +614,7 @@ class RoundRunner:
         def fused(a):   # the round itself (make_round's), its clients split over the mesh's devices
             return dataclasses.replace(make_round(a, layout), client_mesh=mesh if shard_clients else None)
         if layout.lanes is None:
-            self._fused = compiled("round", fused, (0, d, 0, 0), steps=True)
+            self._fused = compiled("round", fused, (0, d, 0, 0), steps=True, donate=state_donation)
         else:
             self._fused = self._packed(algo, reps, multi, train_options)
 
@@ -651,6 +675,8 @@ class RoundRunner:
         sel = self.place(jnp.asarray(selected, jnp.int32))
         key = self.place(key)
         state = self._pin(state)
+        if self.donate_state:
+            state = _unshared(state)
         if self.fused:
             return self._fused(state, data, sel, key)
         # what the server prepares for the round's clients (pFedSim's downloads), before the cut below
@@ -766,7 +792,7 @@ class PhasedRunner:
 
     def __init__(self, algo: Algorithm, data: FederatedData, layout: Layout = Layout(), *,
                  reps: int | None = None, mesh: jax.sharding.Mesh | None = None, hparams: dict | None = None,
-                 workload: Workload | None = None):
+                 workload: Workload | None = None, donate_state: bool = False):
         self.phases = algo.phases
         if hparams is not None and len(self.phases) > 1:
             raise ValueError("stacked hyperparameter values need a method of one phase")
@@ -774,7 +800,7 @@ class PhasedRunner:
             raise ValueError("only the last phase may run 'every remaining round' (rounds=None)")
         self.starts = [sum(p.rounds for p in self.phases[:i]) for i in range(len(self.phases))]
         self.runners = [RoundRunner(p.algorithm, data, layout, reps=reps, mesh=mesh, hparams=hparams,
-                                    workload=self._phase_workload(workload, i))
+                                    workload=self._phase_workload(workload, i), donate_state=donate_state)
                         for i, p in enumerate(self.phases)]
         self._enter = []
         for p in self.phases:

@@ -318,8 +318,9 @@ def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
     # One runner (per phase of the method) for all groups: sequential repetitions reuse the same
     # compiled functions (one set per hyperparameter value).
     workload = run_workload(cfg, 1 if batched else len(members))
+    # the loop drops each round's input state: its buffers are donated to the round
     runner = PhasedRunner(algo, runner_data, layout, reps=len(members) if batched else None, mesh=mesh,
-                          hparams=hparams, workload=workload)
+                          hparams=hparams, workload=workload, donate_state=True)
     runners = [runner] * len(cfgs)
     if varied and not batched:
         by_values: dict[tuple, PhasedRunner] = {}
@@ -328,7 +329,7 @@ def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
             if values not in by_values:
                 by_values[values] = (runner if i == 0 else
                                      PhasedRunner(algos[i], runner_data, layout, reps=None, mesh=mesh,
-                                                  workload=workload))
+                                                  workload=workload, donate_state=True))
             runners[i] = by_values[values]
     spread = runner.runners[0].spread
     if spread is not None or mesh is not None:
