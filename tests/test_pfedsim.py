@@ -201,3 +201,20 @@ def test_round_start_and_the_rows_view_hand_back_the_leaves_they_pass_through():
     np.testing.assert_array_equal(out["new"], [0.0])
     out = add(state, 3.0)   # the second call: the passthrough recorded at the trace
     assert out["big"] is state["big"] and calls == ["add"]
+
+
+def test_a_runner_that_may_donate_the_state_computes_the_same_rounds_and_frees_what_it_was_given(tiny):
+    """donate_state (the CLI's loop): each round's input state is consumed, the server step writing the
+    stored models in place; the rounds' values are those of a runner that keeps its inputs."""
+    _, _, data = tiny
+    algo = pfedsim.PFedSim(CNN(data.num_classes), pfedsim.PFedSimConfig(**LC, rounds=4, warmup=1, personal_rows=3))
+    _, kept = runs(tiny, algo, 3)
+    runner = RoundRunner(algo, data, Layout("sequential", "unrolled", chunk_steps=4), donate_state=True)
+    state = algo.init(jax.random.key(0), data)
+    for t, sel in enumerate(SELECTED[:3]):
+        given = state
+        state = runner.round(given, data, sel, jax.random.key(100 + t))[0]
+        if t:   # a fresh init's leaves may share buffers: the runner copies those before donating
+            assert given.models.rows["backbone"]["fc"]["kernel"].is_deleted()
+    assert_trees_close(state.models.rows, kept[-1].models.rows, tol=0)
+    np.testing.assert_array_equal(state.similarity, kept[-1].similarity)
