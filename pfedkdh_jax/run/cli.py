@@ -333,7 +333,7 @@ def _guarded_sweep(job):
         print(f"pfedkdh: error: {e}", file=sys.stderr)
         return 2
     except DivergenceError as e:
-        print(f"pfedkdh: diverged: {e}", file=sys.stderr)
+        print(f"pfedkdh: {e.kind}: {e}", file=sys.stderr)
         return 3
 
 
@@ -352,7 +352,7 @@ def _guarded(job) -> int:
         print(f"pfedkdh: error: {e}", file=sys.stderr)
         return 2
     except DivergenceError as e:
-        print(f"pfedkdh: diverged: {e}", file=sys.stderr)
+        print(f"pfedkdh: {e.kind}: {e}", file=sys.stderr)
         return 3
     keys = ["personalized_macro_accuracy", "personalized_macro_accuracy_ea", "global_macro_accuracy",
             "best_personalized_macro_accuracy", "seconds_per_round", "compile_seconds"]

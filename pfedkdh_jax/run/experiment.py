@@ -39,6 +39,15 @@ from pfedkdh_jax.run import preflight, records
 class DivergenceError(RuntimeError):
     """A non-finite loss or accuracy; the message names the round."""
 
+    kind = "diverged"
+
+
+class RowsExhaustedError(DivergenceError):
+    """Clients trained without a row of their own (a method's ``personal_rows`` below the clients a run
+    trains): the run stops, its numbers would be wrong; the message names the round."""
+
+    kind = "stopped"
+
 
 # Named, independent random streams derived from --seed (the partition uses --data-seed).
 STREAM_INIT, STREAM_SAMPLING, STREAM_TRAIN, STREAM_EVAL = 0, 1, 2, 3
@@ -424,12 +433,13 @@ def _stop_on_divergence(cfgs, runs: _Runs, eng: _Engine, histories, rep_rows, t:
         for rep in rep_rows[i]:
             problem = records.divergence(rep, c.divergence_loss)
             if problem:
+                error = RowsExhaustedError if rep.get("rows_lost", 0) > 0 else DivergenceError
                 summary = records.summary(c, histories[i], runs.summaries[i], eng.runners[i],
-                                          status=f"diverged at round {t + 1}")
+                                          status=f"{error.kind} at round {t + 1}")
                 records.write_json(os.path.join(c.out, "summary.json"), summary)
                 who = f" in repetition {rep['seed'] - c.seed} (seed {rep['seed']})" if c.reps > 1 else ""
-                hint = "" if rep.get("rows_lost", 0) > 0 else " (try a smaller --lr)"
-                raise DivergenceError(f"{problem}{who} at round {t + 1}{hint}; everything up to it is in {c.out}")
+                hint = "" if error is RowsExhaustedError else " (try a smaller --lr)"
+                raise error(f"{problem}{who} at round {t + 1}{hint}; everything up to it is in {c.out}")
 
 
 def _finish(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, histories: list, seconds: float, log) -> list[dict]:

@@ -56,7 +56,7 @@ def divergence(row: dict, max_loss: float) -> str | None:
         return "non-finite global parameters"
     if row.get("rows_lost", 0.0) > 0:
         return (f"{row['rows_lost']:g} client(s) trained without a row of their own: the method's personal_rows "
-                "is below the clients trained (leave it unset: a run sets rounds × clients per round)")
+                "is below the clients trained (leave it unset: a run keeps a row for every client it trains)")
     bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
     return f"non-finite {', '.join(bad)}" if bad else None
 
