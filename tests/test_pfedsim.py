@@ -116,7 +116,7 @@ def test_personalized_rounds(tiny):
     assert leaves_equal(start.params["head"], C.take(third.models["head"], 3))   # own classifier
 
 
-def test_stored_models_in_rows_for_the_clients_trained_since_the_warmup_compute_the_same_run(tiny):
+def test_stored_models_in_rows_for_the_clients_trained_since_the_warmup_compute_the_same_run(tiny, monkeypatch):
     """R_w = 1, then rounds of [1, 3], [0, 1], [3, 0]: three rows hold every model stored since the
     warm-up, W over them; the stored models, W, the downloads and the evaluation are the dense run's.
     With two rows, one client finds none and the round says so (rows_lost)."""
@@ -147,9 +147,12 @@ def test_stored_models_in_rows_for_the_clients_trained_since_the_warmup_compute_
         got = jax.jit(rows_runner.algo.client_start)(ready, data, jnp.int32(k), jax.random.key(0)).params
         own = jax.jit(dense_runner.algo.client_start)(dense[-1], data, jnp.int32(k), jax.random.key(0)).params
         assert_trees_close(got, own)
+    from pfedkdh_jax.engine import runner as runner_module
+    monkeypatch.setattr(runner_module, "BASE_PASS_SHARE", 0.1)   # 1 of the 5 owner chunks is client 2's
     m_rows = rows_runner.evaluate(rows[-1], data, jax.random.key(0))
     m_dense = dense_runner.evaluate(dense[-1], data, jax.random.key(0))
     np.testing.assert_array_equal(m_rows["personalized_per_client_accuracy"], m_dense["personalized_per_client_accuracy"])
+    assert "base_owned_features" in rows_runner.traces   # client 2's test features: the base's, shared
     # the pure round (one program: round_start, clients vmapped, steps scanned) reads and writes the rows alike
     fused = pfedsim.PFedSim(CNN(data.num_classes), pfedsim.PFedSimConfig(**LC, rounds=4, warmup=1, personal_rows=3))
     fused_runner = RoundRunner(fused, data, Layout("vmap", "scan"))

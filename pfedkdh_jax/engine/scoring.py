@@ -45,6 +45,16 @@ def owned_features_of(model: Model, backbones: PyTree, data: FederatedData, clie
     return features_of(model, backbone, data, idx)
 
 
+def owned_from_flat(feats: jax.Array, data: FederatedData) -> jax.Array:
+    """Features of ``data.test_flat``'s samples (``[T, D]``, one shared backbone) laid out as the
+    owner-grouped chunks ``data.owned_idx`` (``[G, c, D]``). Padding slots of both hold pool index 0:
+    where a padding entry of ``test_flat`` takes sample 0's position, its features are sample 0's all
+    the same, and a padding slot of ``owned_idx`` (owner K) is not scored."""
+    where = jnp.zeros(data.images.shape[0], jnp.int32).at[data.test_flat].set(
+        jnp.arange(data.test_flat.shape[0], dtype=jnp.int32))
+    return feats[where[data.owned_idx]]
+
+
 def owned_features(model: Model, backbones: PyTree, data: FederatedData, chunk_owner: jax.Array,
                    idx: jax.Array) -> jax.Array:
     """Features ``[G·chunk, D]`` of single-owner chunks ``idx [G, chunk]`` with ``lax.map``."""
