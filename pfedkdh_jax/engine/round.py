@@ -3,7 +3,8 @@
 ``round_fn = make_round(algo, layout)`` is ``(state, data, selected [C], key) -> (state, metrics)``,
 un-jitted: jit it, vmap it over a repetition axis or shard it inside your own program. Inside, every
 selected client starts (``client_start``, from the state as ``round_start`` prepared it), takes all
-its local steps, and finishes (``client_finish``); the updates, stacked ``[C, ...]``, go to ``server_update``. The layout says how:
+its local steps, and finishes (``client_finish``); the updates, stacked ``[C, ...]``, go to
+``server_update``. The layout says how:
 clients ``vmap``-ed or one after another (``lax.map``), steps in a ``lax.scan`` or unrolled. Every
 client is given as many steps as the largest client of the federation (``data.train_sizes``, static);
 steps past a client's own are no-ops, so nothing retraces whoever is selected.
