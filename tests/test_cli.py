@@ -125,3 +125,18 @@ def test_presets():
     assert make_config("paper", dataset="mnist", rounds=7).rounds == 7
     with pytest.raises(ConfigError, match="--preset"):
         make_config("fast")
+
+
+def test_lanes_run_from_the_cli_where_the_cpu_has_two_devices(tmp_path):
+    """--lanes packs a round's work on one device: on the CLI's two CPU devices it runs without a device
+    mesh (it used to stop with a traceback), with a repetition axis too."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    for extra in ([], ["--reps", "2"]):
+        p = subprocess.run([sys.executable, "-m", "pfedkdh_jax", "run", "--dataset", "digits", "--rounds", "1",
+                            "--clients", "40", "--participation", "0.1",   # 4 a round: a mesh would split them
+                            "--lanes", "2", "--client-parallel", "vmap", "--step-loop", "scan", "--no-progress",
+                            "--checkpoint-every", "0", "--out", str(tmp_path / f"run{len(extra)}"), *extra],
+                           capture_output=True, text=True, timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-1500:]
+        summary = json.loads((tmp_path / f"run{len(extra)}" / "summary.json").read_text())
+        assert summary["status"] == "completed"

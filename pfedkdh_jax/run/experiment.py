@@ -310,11 +310,13 @@ def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
     # Auto axes: XLA's sharding propagation places everything from the inputs' shardings.
     # A mesh takes the devices where it splits work evenly: the repetition axis, or the clients of a
     # one-call round (otherwise every device would compute everything); sequential clients of a lone
-    # run are spread over the devices instead (Layout.client_devices).
+    # run are spread over the devices instead (Layout.client_devices). Lanes pack a round's work on
+    # one device: no mesh.
     # (this process's devices: under jax.distributed each process runs its own share of a sweep)
     n_dev = jax.local_device_count()
     fused = (layout.client_parallel, layout.step_loop) == ("vmap", "scan")
-    splits = len(members) % n_dev == 0 if batched else fused and cfg.clients_per_round % n_dev == 0
+    splits = layout.lanes is None and (len(members) % n_dev == 0 if batched
+                                       else fused and cfg.clients_per_round % n_dev == 0)
     mesh = (jax.make_mesh((n_dev,), ("devices",), axis_types=(jax.sharding.AxisType.Auto,),
                           devices=jax.local_devices())
             if n_dev > 1 and splits else None)
