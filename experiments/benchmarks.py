@@ -45,7 +45,7 @@ from pfedkdh_jax.data.device import build_federated_data
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import tree_stack
 from pfedkdh_jax.engine.runner import RoundRunner
-from pfedkdh_jax.model import CNN
+from pfedkdh_jax.model import CNN, CONV_FORMS
 from pfedkdh_jax.run.experiment import streams
 
 FORMS = [("sequential", "unrolled", 8), ("sequential", "unrolled", 16), ("vmap", "unrolled", 8),
@@ -162,23 +162,25 @@ def bench_pooling(steps=8, repeats=10, batch=64, eval_batch=2048) -> str:
     return "\n".join(lines)
 
 
-def bench_conv_forms(members=(1, 10), steps=4, repeats=5, batch=64) -> str:
-    """A training step of ``m`` members with weights of their own (vmapped: clients or repetitions),
-    with XLA's convolution (a grouped convolution once vmapped) and with the matmul over patches (a
-    batched matmul once vmapped); interleaved repeats, median samples/s. Compiled with the engine's
-    options for local training (on CPU: YNNPACK for dots and reductions only)."""
+def bench_conv_forms(members=(1, 10), steps=4, repeats=5, batch=64, forms=CONV_FORMS) -> str:
+    """A training step of ``m`` members with weights of their own (vmapped: clients or repetitions), in
+    each of the model's convolution forms: XLA's convolution (a grouped convolution once vmapped), the
+    matmul over patches and Winograd's F(4×4, 5×5) for conv2 (both batched matmuls once vmapped);
+    interleaved repeats, median samples/s. Compiled with the engine's options for local training (on
+    CPU: YNNPACK for dots and reductions only)."""
     import optax
 
     from pfedkdh_jax.engine.layout import local_training_compiler_options
 
-    lines = ["| input | members (vmapped) | `lax` convolution, samples/s | patches + matmul, samples/s | patches / lax |",
-             "|---|---|---|---|---|"]
+    lines = ["| input | members (vmapped) | " + " | ".join(f"`{f}`, samples/s" for f in forms) + " | "
+             + " | ".join(f"{f} / lax" for f in forms if f != "lax") + " |",
+             "|---|---|" + "---|" * (2 * len(forms) - 1)]
     for name, shape in SHAPES.items():
         for m in members:
             x = jax.random.normal(jax.random.key(1), (m, batch, *shape))
             y = jnp.arange(batch) % 10
             chunks, params = {}, {}
-            for form in ("lax", "patches"):
+            for form in forms:
                 model = CNN(10, conv_form=form)
                 one = model.init(jax.random.key(0), shape)
                 params[form] = jax.tree_util.tree_map(lambda a: jnp.stack([a] * m), one)
@@ -192,14 +194,15 @@ def bench_conv_forms(members=(1, 10), steps=4, repeats=5, batch=64) -> str:
                     return p
                 chunks[form] = jax.jit(jax.vmap(member_chunk), compiler_options=local_training_compiler_options())
                 jax.block_until_ready(chunks[form](params[form], x))
-            rates = {"lax": [], "patches": []}
+            rates = {f: [] for f in forms}
             for _ in range(repeats):
-                for form in ("lax", "patches"):
+                for form in forms:
                     t0 = time.perf_counter()
                     jax.block_until_ready(chunks[form](params[form], x))
                     rates[form].append(m * steps * batch / (time.perf_counter() - t0))
-            a, b = (statistics.median(rates[f]) for f in ("lax", "patches"))
-            lines.append(f"| {name} | {m} | {a:.0f} | {b:.0f} | {b / a:.2f}× |")
+            med = {f: statistics.median(rates[f]) for f in forms}
+            lines.append(f"| {name} | {m} | " + " | ".join(f"{med[f]:.0f}" for f in forms) + " | "
+                         + " | ".join(f"{med[f] / med['lax']:.2f}×" for f in forms if f != "lax") + " |")
             print(lines[-1], flush=True)
     return "\n".join(lines)
 

@@ -60,7 +60,7 @@ def engine_runner(cfg, pool, data, slot_granule: int, fused_steps: int, client_d
     from pfedkdh_jax.run.experiment import engine_layout, make_algorithm, resolved_conv_form
     layout = engine_layout(dataclasses.replace(cfg, slot_granule=slot_granule, fused_steps=fused_steps,
                                                client_devices=client_devices))
-    algo = make_algorithm(cfg, pool.num_classes, resolved_conv_form(cfg, layout, batched=False))
+    algo = make_algorithm(cfg, pool.num_classes, resolved_conv_form(cfg, layout))
     return algo, RoundRunner(algo, data, layout)
 
 

@@ -6,6 +6,8 @@ optax's ``partition``/``masked`` and the federated algorithms can address the tw
 
 from __future__ import annotations
 
+import functools
+from fractions import Fraction
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -118,19 +120,144 @@ col2im_grad_conv.defvjp(_col2im_conv_fwd, _col2im_conv_bwd)
 _NHWC = jax.lax.ConvDimensionNumbers(lhs_spec=(0, 3, 1, 2), rhs_spec=(3, 2, 0, 1), out_spec=(0, 3, 1, 2))
 
 
+def _backbone_case(lhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                   feature_group_count, kwargs) -> bool:
+    """Whether ``nn.Conv``'s call is the backbone's kind: 2-d, stride 1, VALID, undilated, ungrouped,
+    ``NHWC``/``HWIO``, default precision."""
+    return (lhs.ndim == 4 and tuple(window_strides) == (1, 1) and padding == "VALID" and feature_group_count == 1
+            and dimension_numbers == _NHWC and all(d is None or tuple(d) == (1, 1) for d in (lhs_dilation, rhs_dilation))
+            and kwargs.get("precision") is None and kwargs.get("preferred_element_type") is None)
+
+
 def cpu_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                              dimension_numbers=None, feature_group_count=1, **kwargs):
     """``lax.conv_general_dilated`` as flax's ``nn.Conv`` calls it, with :func:`col2im_grad_conv` for
     the backbone's case (2-d, stride 1, VALID, undilated, ungrouped, ``NHWC``/``HWIO``) when the
     default backend is the CPU; every other call is ``lax.conv_general_dilated`` itself."""
-    plain = (jax.default_backend() == "cpu" and lhs.ndim == 4 and tuple(window_strides) == (1, 1)
-             and padding == "VALID" and feature_group_count == 1 and dimension_numbers == _NHWC
-             and all(d is None or tuple(d) == (1, 1) for d in (lhs_dilation, rhs_dilation))
-             and kwargs.get("precision") is None and kwargs.get("preferred_element_type") is None)
-    if plain:
+    if jax.default_backend() == "cpu" and _backbone_case(lhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                                                         dimension_numbers, feature_group_count, kwargs):
         return col2im_grad_conv(lhs, rhs)
     return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
                                         dimension_numbers, feature_group_count, **kwargs)
+
+
+# Winograd's minimal filtering, F(m×m, r×r): interpolation points (the point at infinity is added), the
+# small ones first, as is usual for float32 (Lavin & Gray, "Fast Algorithms for Convolutional Neural
+# Networks", CVPR 2016).
+_WINOGRAD_POINTS = (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2), 3, -3, Fraction(1, 3), Fraction(-1, 3))
+WINOGRAD_TILE = 4            # m: output tiles of 4×4 (F(4×4, 5×5) for the backbone's 5×5 kernels)
+WINOGRAD_MIN_CHANNELS = 16   # convolutions with fewer input channels (conv1: 1 or 3) stay XLA's
+WINOGRAD_MAX_BATCH = 256     # and larger batches (evaluation's chunks): there XLA's forward pass is faster
+
+
+def _exact_inverse(rows: list[list[Fraction]]) -> list[list[Fraction]]:
+    n = len(rows)
+    a = [list(r) + [Fraction(int(i == j)) for j in range(n)] for i, r in enumerate(rows)]
+    for c in range(n):
+        p = next(i for i in range(c, n) if a[i][c] != 0)
+        a[c], a[p] = a[p], a[c]
+        a[c] = [v / a[c][c] for v in a[c]]
+        for i in range(n):
+            if i != c and a[i][c] != 0:
+                f = a[i][c]
+                a[i] = [u - f * v for u, v in zip(a[i], a[c])]
+    return [r[n:] for r in a]
+
+
+@functools.lru_cache(maxsize=None)
+def winograd_matrices(m: int, r: int) -> tuple[tuple, tuple, tuple]:
+    """``(Aᵀ [m, n], G [n, r], Bᵀ [n, n])`` of F(m, r), n = m + r − 1, as exact fractions: for a row ``d``
+    of n inputs and a kernel ``g`` of r taps, ``Aᵀ((G g) ⊙ (Bᵀ d))`` is the correlation
+    ``y[k] = Σ_j d[k + j] g[j]``, k < m. Built by the transposition principle from the Toom–Cook linear
+    convolution at the points ``_WINOGRAD_POINTS[:n − 1]`` and infinity: G and the transpose of Aᵀ
+    evaluate a polynomial of r and m coefficients there, Bᵀ is the transposed inverse of the n × n
+    evaluation."""
+    n = m + r - 1
+    if n - 1 > len(_WINOGRAD_POINTS):
+        raise ValueError(f"no Winograd points for F({m}, {r})")
+    points = _WINOGRAD_POINTS[: n - 1]
+
+    def evaluation(cols: int) -> list[list[Fraction]]:
+        return ([[Fraction(p) ** k for k in range(cols)] for p in points]
+                + [[Fraction(0)] * (cols - 1) + [Fraction(1)]])
+    inverse = _exact_inverse(evaluation(n))
+    at = tuple(zip(*evaluation(m)))
+    bt = tuple(zip(*inverse))
+    return at, tuple(map(tuple, evaluation(r))), bt
+
+
+def _combine(coefficients, parts):
+    """``Σ c·part`` over the non-zero coefficients, written out (XLA fuses it into one loop)."""
+    out = None
+    for c, part in zip(coefficients, parts):
+        if c == 0:
+            continue
+        term = part if c == 1 else -part if c == -1 else float(c) * part
+        out = term if out is None else out + term
+    return out
+
+
+def winograd_conv(x: jax.Array, kernel: jax.Array, tile: int = WINOGRAD_TILE) -> jax.Array:
+    """A VALID, stride-1 ``NHWC``/``HWIO`` convolution by Winograd's minimal filtering F(m×m, r×r), m = ``tile``.
+
+    The output is cut into m×m tiles (the input zero-padded at the bottom and right where the output's
+    sides are not multiples of m, the extra outputs dropped); each tile's (m + r − 1)² inputs and the kernel
+    are transformed (sums with the constant coefficients of :func:`winograd_matrices`), multiplied as one
+    batched matmul per transform point (``[n², tiles, C] × [n², C, O]``), and transformed back. Gradients are
+    JAX's of these operations: both are again batched matmuls of the same size, so the forward pass, the
+    input gradient and the kernel gradient each cost ``n²/(m²r²)`` of a direct convolution's multiply-adds
+    (0.16 at F(4×4, 5×5)) plus the transforms. The same values as ``lax.conv_general_dilated`` to float32
+    rounding (relative errors of a few 1e-6 at F(4×4, 5×5) with the points 0, ±1, ±2, ±½; tests/test_losses.py).
+    On XLA:CPU a training step of the CNN with conv2 in this form runs 0.64× (batch 64) to 0.9× (batch 1)
+    of the time with XLA's convolution (BENCHMARKS.md, "Winograd")."""
+    kh, kw, c, o = kernel.shape
+    if kh != kw:
+        raise ValueError(f"winograd_conv needs a square kernel; got {kh}×{kw}")
+    m, r = tile, kh
+    n = m + r - 1
+    at, g, bt = winograd_matrices(m, r)
+    b, h, w, _ = x.shape
+    ho, wo = h - r + 1, w - r + 1
+    th, tw = -(-ho // m), -(-wo // m)
+    if th * m != ho or tw * m != wo:
+        x = jnp.pad(x, ((0, 0), (0, th * m - ho), (0, tw * m - wo), (0, 0)))
+    # the inputs' transform, rows then columns: v[t, s] = Σ Bᵀ[t, l] Bᵀ[s, l'] x[m·i + l, m·j + l']
+    rows = [x[:, l:l + m * (th - 1) + 1:m] for l in range(n)]                     # [B, th, W, C] each
+    vy = jnp.stack([_combine(bt[t], rows) for t in range(n)])                      # [n, B, th, W, C]
+    cols = [vy[:, :, :, l:l + m * (tw - 1) + 1:m] for l in range(n)]              # [n, B, th, tw, C] each
+    v = jnp.stack([_combine(bt[s], cols) for s in range(n)], axis=1)               # [n, n, B, th, tw, C]
+    # the kernel's: u = G k Gᵀ. Each slice is taken once: a slice taken again per combination would be
+    # another pad and add of its gradient (a training step 1.6× slower)
+    taps = [kernel[a] for a in range(r)]
+    ut = jnp.stack([_combine(g[t], taps) for t in range(n)])                       # [n, r, C, O]
+    taps = [ut[:, a] for a in range(r)]
+    u = jnp.stack([_combine(g[s], taps) for s in range(n)], axis=1)                # [n, n, C, O]
+    prod = jnp.einsum("pkc,pco->pko", v.reshape(n * n, b * th * tw, c), u.reshape(n * n, c, o))
+    prod = prod.reshape(n, n, b, th, tw, o)
+    # back: y[m·i + a, m·j + a'] = Σ Aᵀ[a, t] Aᵀ[a', s] prod[t, s]
+    points = [prod[t] for t in range(n)]
+    oy = jnp.stack([_combine(at[a], points) for a in range(m)])                    # [m, n, B, th, tw, O]
+    points = [oy[:, s] for s in range(n)]
+    out = jnp.stack([_combine(at[a], points) for a in range(m)], axis=1)           # [m, m, B, th, tw, O]
+    return jnp.transpose(out, (2, 3, 0, 4, 1, 5)).reshape(b, th * m, tw * m, o)[:, :ho, :wo]
+
+
+def winograd_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                                  dimension_numbers=None, feature_group_count=1, **kwargs):
+    """``lax.conv_general_dilated`` as ``nn.Conv`` calls it, with :func:`winograd_conv` for the backbone's
+    case with square kernels, at least ``WINOGRAD_MIN_CHANNELS`` input channels (conv2) and at most
+    ``WINOGRAD_MAX_BATCH`` samples (under ``vmap``: per member), on any backend; every other call as
+    :func:`cpu_conv_general_dilated`. Measured on XLA:CPU (BENCHMARKS.md, "Winograd"): conv1 with its 1 or 3
+    input channels made a training step 2.2–2.7× slower in this form (the batched matmuls are outer
+    products); a forward pass alone of 512 or more samples ran 1.2–1.5× slower than XLA's (the transformed
+    tiles outgrow the caches), while training steps of 64–512 samples ran in 0.59–0.64× the time."""
+    if (rhs.shape[0] == rhs.shape[1] and lhs.shape[-1] >= WINOGRAD_MIN_CHANNELS
+            and lhs.shape[0] <= WINOGRAD_MAX_BATCH
+            and _backbone_case(lhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                               feature_group_count, kwargs)):
+        return winograd_conv(lhs, rhs)
+    return cpu_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                                    dimension_numbers, feature_group_count, **kwargs)
 
 
 def patch_matmul_conv(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -166,27 +293,41 @@ class PatchConv(nn.Module):
         return y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
 
 
-CONV_FORMS = ("lax", "patches")
+CONV_FORMS = ("lax", "patches", "winograd")
+
+
+def auto_conv_form(backend: str | None = None) -> str:
+    """The form of the model's convolutions where none is chosen: ``"winograd"`` on the CPU, where a training
+    step ran 1.4× (MNIST) and 1.04–1.23× (CIFAR-10) as fast as with XLA's convolution, for one member and
+    ten vmapped ones, ahead of ``"patches"`` too (BENCHMARKS.md, "Winograd"); ``"lax"`` on other backends
+    (not measured there yet). A run's ``--conv-form auto`` also looks at its layout
+    (``run.experiment.resolved_conv_form``)."""
+    return "winograd" if (backend or jax.default_backend()) == "cpu" else "lax"
 
 
 class Backbone(nn.Module):
     """Conv 5×5·32 → ReLU → MaxPool 2 → Conv 5×5·64 → ReLU → MaxPool 2 → Dropout → Dense 512 → ReLU.
 
     ``conv_form``: ``"lax"`` (flax's ``nn.Conv``, XLA's convolution, the default on every backend; on
-    CPU its input gradient is :func:`col2im_grad_conv`'s, through :func:`cpu_conv_general_dilated`) or
+    CPU its input gradient is :func:`col2im_grad_conv`'s, through :func:`cpu_conv_general_dilated`),
     ``"patches"`` (:class:`PatchConv`, a matmul over patches: under ``vmap`` over per-member weights
-    a batched matmul instead of a grouped convolution). The same parameters either way."""
+    a batched matmul instead of a grouped convolution), ``"winograd"`` (``nn.Conv`` with conv2 by
+    :func:`winograd_conv`, conv1 as ``"lax"``) or ``"auto"`` (the default: :func:`auto_conv_form` when
+    traced). The same parameters in every form."""
 
     dropout_rate: float = 0.0
     pool: Callable[[jax.Array], jax.Array] = max_pool_2x2  # 2×2 max-pooling, per backend (swappable)
-    conv_form: str = "lax"
+    conv_form: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
-        conv = ((lambda n, name: nn.Conv(n, (5, 5), padding="VALID", name=name,
-                                          conv_general_dilated=cpu_conv_general_dilated))
-                if self.conv_form == "lax"
-                else (lambda n, name: PatchConv(n, name=name)))
+        form = auto_conv_form() if self.conv_form == "auto" else self.conv_form
+        if form == "patches":
+            conv = lambda n, name: PatchConv(n, name=name)  # noqa: E731
+        else:
+            hook = winograd_conv_general_dilated if form == "winograd" else cpu_conv_general_dilated
+            conv = lambda n, name: nn.Conv(n, (5, 5), padding="VALID", name=name,  # noqa: E731
+                                           conv_general_dilated=hook)
         x = conv(32, "conv1")(x)
         x = nn.relu(self.pool(x))
         x = conv(64, "conv2")(x)
@@ -209,9 +350,9 @@ class Head(nn.Module):
 class CNN:
     """Pure functions of the split model; holds only static hyperparameters, never parameters."""
 
-    def __init__(self, num_classes: int, dropout_rate: float = 0.0, conv_form: str = "lax"):
-        if conv_form not in CONV_FORMS:
-            raise ValueError(f"conv_form must be one of {CONV_FORMS}; got {conv_form!r}")
+    def __init__(self, num_classes: int, dropout_rate: float = 0.0, conv_form: str = "auto"):
+        if conv_form != "auto" and conv_form not in CONV_FORMS:
+            raise ValueError(f"conv_form must be 'auto' or one of {CONV_FORMS}; got {conv_form!r}")
         self.num_classes = num_classes
         self.dropout_rate = dropout_rate
         self.conv_form = conv_form

@@ -31,6 +31,32 @@ from pfedkdh_jax.data.device import build_federated_data
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# Compiling is most of the suite's time, and the Winograd form of conv2 (the model's ``auto`` on a CPU)
+# compiles a training step 2–3× longer than XLA's convolution (about 1.2 s against 0.5 s; the suite ran
+# 20 % longer with it). So the tests run in this process take XLA's convolution where they leave the form
+# to ``auto``; tests/test_losses.py checks the Winograd form against XLA's (values, gradients, vmapped),
+# the ``measured_conv_form`` fixture gives a test the real choice (the CLI's smoke run takes it), and the
+# tests that start a subprocess run the real default.
+from pfedkdh_jax import model as _model  # noqa: E402
+
+MEASURED_AUTO_CONV_FORM = _model.auto_conv_form
+_model.auto_conv_form = lambda backend=None: "lax"
+
+
+@pytest.fixture
+def measured_conv_form(monkeypatch):
+    """``auto`` as the package chooses it (Winograd on a CPU), not the suite's faster-compiling XLA form."""
+    monkeypatch.setattr(_model, "auto_conv_form", MEASURED_AUTO_CONV_FORM)
+
+
+@pytest.fixture(scope="module")
+def measured_conv_form_module():
+    """:func:`measured_conv_form` for a whole module: where runs in this process and in subprocesses meet
+    (a run killed in a subprocess and resumed here must compute the same model)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_model, "auto_conv_form", MEASURED_AUTO_CONV_FORM)
+        yield
+
 
 def tfds_data_dir() -> str | None:
     """$TFDS_DATA_DIR, else the shared data dir next to the repository, else None."""

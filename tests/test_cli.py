@@ -14,7 +14,7 @@ SUMMARY_KEYS = ["personalized_macro_accuracy", "personalized_micro_accuracy", "g
                 "global_micro_accuracy", "personalized_macro_accuracy_ea", "personalized_micro_accuracy_ea"]
 
 
-def test_smoke_run_writes_the_run_directory(tmp_path, capsys):
+def test_smoke_run_writes_the_run_directory(tmp_path, capsys, measured_conv_form):
     out = tmp_path / "run"
     rc = cli.main(["run", "--preset", "smoke", "--out", str(out), "--no-progress", "--chunk-steps", "4"])
     assert rc == 0
@@ -32,6 +32,7 @@ def test_smoke_run_writes_the_run_directory(tmp_path, capsys):
     assert all("train_loss" in r and "seconds" in r for r in rows)
     config = json.loads((out / "config.json").read_text())
     assert config["dataset"] == "digits" and config["rounds"] == 2
+    assert config["engine"]["conv_form"] == "winograd"   # the CPU's default form, run end to end
     assert (out / "curves.png").stat().st_size > 1000
 
 

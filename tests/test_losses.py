@@ -147,7 +147,7 @@ def test_patch_conv_form_has_the_same_parameters_values_and_gradients():
     k = jax.random.normal(jax.random.key(2), (5, 5, 3, 4))
     want = jax.lax.conv_general_dilated(x, k, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     np.testing.assert_allclose(patch_matmul_conv(x, k), want, rtol=1e-4, atol=1e-4)
-    lax_model, patch_model = CNN(10), CNN(10, conv_form="patches")
+    lax_model, patch_model = CNN(10, conv_form="lax"), CNN(10, conv_form="patches")
     p = lax_model.init(jax.random.key(0), (16, 16, 3))
     q = patch_model.init(jax.random.key(0), (16, 16, 3))
     assert jax.tree_util.tree_structure(p) == jax.tree_util.tree_structure(q)
@@ -193,10 +193,99 @@ def test_col2im_conv_gradient_matches_xla_and_follows_the_backend(monkeypatch, b
     ref = jax.vmap(jax.grad(lambda k, w: jnp.sum(xla(x, k) * w)))(ks, ws)
     np.testing.assert_allclose(vm, ref, rtol=1e-4, atol=1e-4)
     # the backbone's convolutions go through it on CPU only; a strided call never does
-    cnn = model.CNN(10)
+    cnn = model.CNN(10, conv_form="lax")
     p = cnn.init(jax.random.key(0), (16, 16, 3))
     jaxpr = str(jax.make_jaxpr(lambda p: cnn.logits(p, jnp.ones((2, 16, 16, 3))))(p))
     pools = 2 if backend == "cpu" else 0   # the pooling's custom gradient is per backend too
     assert jaxpr.count("custom_vjp_call") == pools + (2 if custom else 0)
     strided = lambda x: model.cpu_conv_general_dilated(x, k, (2, 2), "VALID", dimension_numbers=model._NHWC)  # noqa: E731
     assert "custom_vjp_call" not in str(jax.make_jaxpr(strided)(x))
+
+
+def test_winograd_matrices_are_exact():
+    """Aᵀ((G g) ⊙ (Bᵀ d)) is the correlation of d with g, exactly (in fractions), for the backbone's
+    F(4, 5) and two other sizes."""
+    from fractions import Fraction
+
+    from pfedkdh_jax.model import winograd_matrices
+
+    rng = np.random.default_rng(0)
+    for m, r in ((4, 5), (2, 5), (2, 3)):
+        at, g, bt = winograd_matrices(m, r)
+        n = m + r - 1
+        d = [Fraction(int(v)) for v in rng.integers(-9, 10, n)]
+        k = [Fraction(int(v)) for v in rng.integers(-9, 10, r)]
+        gk = [sum(g[t][j] * k[j] for j in range(r)) for t in range(n)]
+        bd = [sum(bt[t][l] * d[l] for l in range(n)) for t in range(n)]
+        y = [sum(at[i][t] * gk[t] * bd[t] for t in range(n)) for i in range(m)]
+        assert y == [sum(d[i + j] * k[j] for j in range(r)) for i in range(m)]
+
+
+def test_winograd_conv_matches_xla_values_and_gradients():
+    """F(4×4, 5×5): XLA's convolution's values, input gradient and kernel gradient to float32 rounding, on
+    an output side that is a multiple of 4 (MNIST's conv2, 8×8) and one that is not (CIFAR-10's, 10×10),
+    plainly and vmapped over per-member kernels."""
+    from pfedkdh_jax.model import winograd_conv
+
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def xla(x, k):
+        return jax.lax.conv_general_dilated(x, k, (1, 1), "VALID", dimension_numbers=dn,
+                                            precision=jax.lax.Precision.HIGHEST)
+    for side in (12, 14):
+        x = jax.random.normal(jax.random.key(1), (3, side, side, 16))
+        k = 0.05 * jax.random.normal(jax.random.key(2), (5, 5, 16, 8))
+        w = jax.random.normal(jax.random.key(3), (3, side - 4, side - 4, 8))
+        np.testing.assert_allclose(winograd_conv(x, k), xla(x, k), rtol=1e-4, atol=2e-5)
+        want = jax.grad(lambda x, k: jnp.sum(xla(x, k) * w), argnums=(0, 1))(x, k)
+        got = jax.jit(jax.grad(lambda x, k: jnp.sum(winograd_conv(x, k) * w), argnums=(0, 1)))(x, k)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(b))))
+        ks, ws = jnp.stack([k, -k]), jnp.stack([w, 2 * w])
+        vm = jax.jit(jax.vmap(jax.grad(lambda k, w: jnp.sum(winograd_conv(x, k) * w))))(ks, ws)
+        ref = jax.vmap(jax.grad(lambda k, w: jnp.sum(xla(x, k) * w)))(ks, ws)
+        np.testing.assert_allclose(vm, ref, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(ref))))
+
+
+@pytest.mark.parametrize("backend, form", [("cpu", "winograd"), ("gpu", "lax")])
+def test_winograd_form_takes_conv2_at_training_batches_only(monkeypatch, measured_conv_form, backend, form):
+    """The ``winograd`` form: the same parameters and, to float32 rounding, the same logits and gradients as
+    XLA's convolution; conv2 only (conv1's 1 or 3 channels stay XLA's), and only up to
+    ``WINOGRAD_MAX_BATCH`` samples (evaluation's chunks stay XLA's); ``auto`` is it on a CPU only."""
+    from pfedkdh_jax import model
+
+    monkeypatch.setattr(model.jax, "default_backend", lambda: backend)
+    assert model.auto_conv_form() == form
+    wino, lax_model = model.CNN(10, conv_form="winograd"), model.CNN(10, conv_form="lax")
+    p = lax_model.init(jax.random.key(0), (16, 16, 3))
+    q = wino.init(jax.random.key(0), (16, 16, 3))
+    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)):
+        np.testing.assert_array_equal(a, b)
+    x = jax.random.normal(jax.random.key(1), (4, 16, 16, 3))
+    loss = lambda m: lambda params: jnp.sum(m.logits(params, x) ** 2)  # noqa: E731
+    (la, ga), (lb, gb) = (jax.value_and_grad(loss(m))(p) for m in (lax_model, wino))
+    np.testing.assert_allclose(lb, la, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(a))))
+
+    def convolutions(batch):
+        return str(jax.make_jaxpr(lambda p: wino.logits(p, jnp.ones((batch, 16, 16, 3))))(p)).count("conv_general_dilated")
+    assert convolutions(4) == 1                                 # conv1 only
+    assert convolutions(model.WINOGRAD_MAX_BATCH + 1) == 2      # both XLA's
+
+
+def test_a_run_resolves_auto_conv_form_by_backend_and_step_loop(monkeypatch, measured_conv_form):
+    """``--conv-form auto`` on a CPU: Winograd, but the matmul over patches where local steps are scanned
+    (a convolution inside a loop is slow on XLA:CPU); XLA's elsewhere; a chosen form is kept."""
+    from pfedkdh_jax.engine.layout import Layout
+    from pfedkdh_jax.run import experiment
+    from pfedkdh_jax.run.config import make_config
+
+    cfg = make_config("smoke")
+    assert experiment.resolved_conv_form(cfg, Layout("sequential", "unrolled")) == "winograd"
+    assert experiment.resolved_conv_form(cfg, Layout("vmap", "unrolled")) == "winograd"
+    assert experiment.resolved_conv_form(cfg, Layout("vmap", "scan")) == "patches"
+    assert experiment.resolved_conv_form(make_config("smoke", conv_form="lax"), Layout("vmap", "scan")) == "lax"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert experiment.resolved_conv_form(cfg, Layout("vmap", "scan")) == "lax"
+    assert experiment.resolved_conv_form(cfg, Layout("sequential", "unrolled")) == "lax"

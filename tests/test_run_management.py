@@ -16,6 +16,9 @@ from pfedkdh_jax.run.checkpoint import CheckpointError
 from pfedkdh_jax.run.config import make_config
 from pfedkdh_jax.run.experiment import resume, run
 
+# runs are killed in a subprocess and resumed in this one: both take the package's own conv form
+pytestmark = pytest.mark.usefixtures("measured_conv_form_module")
+
 ROUNDS = 5
 ARGS = ["--preset", "default", "--rounds", str(ROUNDS), "--clients", "6", "--chunk-steps", "4",
         "--ea-every", "2", "--checkpoint-every", "1", "--no-progress"]
@@ -35,7 +38,7 @@ def numbers(run_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, measured_conv_form_module):
     out = tmp_path_factory.mktemp("ref") / "run"
     assert cli.main(["run", *ARGS, "--out", str(out)]) == 0
     return out

@@ -99,9 +99,8 @@ class NamedOptimizer:
 
 def cnn(cfg, num_classes: int) -> CNN:
     """The run's model: method.md's CNN with ``cfg.dropout`` and ``cfg.conv_form`` (``auto``, not
-    resolved by the run for its layout, is XLA's convolution)."""
-    form = getattr(cfg, "conv_form", "auto")
-    return CNN(num_classes, cfg.dropout, "lax" if form == "auto" else form)
+    resolved by the run for its layout, is the model's own: :func:`~pfedkdh_jax.model.auto_conv_form`)."""
+    return CNN(num_classes, cfg.dropout, getattr(cfg, "conv_form", "auto"))
 
 
 def local_config(cfg) -> dict:

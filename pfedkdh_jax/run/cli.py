@@ -80,8 +80,9 @@ _FLAGS = [
     ("--client-devices", "client_devices", int, "spread sequential clients over this many local devices "
                                                 "(default: all; the CLI makes one XLA:CPU device per core, up to 2)"),
     ("--eval-chunk", "eval_chunk", int, "samples per feature chunk in evaluation"),
-    ("--conv-form", "conv_form", str, "the convolutions: lax (XLA's) | patches (a matmul over patches) | auto "
-                                      "(default: patches where clients or repetitions are vmapped on a CPU, else lax)"),
+    ("--conv-form", "conv_form", str, "the convolutions: lax (XLA's) | patches (a matmul over patches) | winograd "
+                                      "(conv2 by Winograd's F(4x4, 5x5)) | auto (default: on a CPU winograd, or patches "
+                                      "where local steps are scanned; elsewhere lax)"),
     ("--divergence-loss", "divergence_loss", float, "stop when a local loss exceeds this (0: only non-finite)"),
     ("--checkpoint-every", "checkpoint_every", int, "save the whole state every N rounds and at the end (0: off)"),
 ]

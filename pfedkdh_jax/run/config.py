@@ -99,8 +99,8 @@ class RunConfig:
     client_devices: int | None = None  # sequential clients spread over this many local devices (None: all;
                                        # the CLI makes one XLA:CPU device per core, up to 2)
     eval_chunk: int = 2048             # samples per feature chunk in evaluation
-    conv_form: str = "auto"            # lax | patches | auto (patches where per-member weights are vmapped
-                                       # on a CPU, else lax: experiment.resolved_conv_form)
+    conv_form: str = "auto"            # lax | patches | winograd | auto (on a CPU winograd, patches where the
+                                       # steps are scanned; elsewhere lax: experiment.resolved_conv_form)
     # --- run management
     checkpoint_every: int = 5          # save the whole state every N rounds and at the end (0 = off)
     divergence_loss: float = 1e6       # a local loss above this (or non-finite) stops the run (0 = only non-finite)
@@ -257,6 +257,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0; got {cfg.checkpoint_every}")
     _check(cfg.divergence_loss >= 0, f"--divergence-loss must be >= 0; got {cfg.divergence_loss}")
     _check(cfg.eval_chunk >= 1, f"--eval-chunk must be >= 1; got {cfg.eval_chunk}")
-    _check(cfg.conv_form in ("auto", "lax", "patches"),
-           f"--conv-form must be auto, lax or patches; got {cfg.conv_form!r}")
+    _check(cfg.conv_form in ("auto", "lax", "patches", "winograd"),
+           f"--conv-form must be auto, lax, patches or winograd; got {cfg.conv_form!r}")
     return cfg

@@ -25,6 +25,7 @@ import numpy as np
 
 from pfedkdh_jax import algorithms
 from pfedkdh_jax import data as data_lib
+from pfedkdh_jax import model as model_lib
 from pfedkdh_jax.data.device import build_federated_data, from_arrays, run_slice, stack_partitions
 from pfedkdh_jax.engine.protocol import message_bytes
 from pfedkdh_jax.engine.layout import Layout, Workload
@@ -239,6 +240,7 @@ class _Engine:
     member_data: list             # what each repetition reads alone
     eval_data: Any                # --eval-clients: the chosen clients' view, else None
     layout: Layout
+    conv_form: str                # the model's convolutions (resolved_conv_form)
     members: list[tuple[int, int]]
     batched: bool
     algo: Any
@@ -283,7 +285,7 @@ def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
     layout = engine_layout(cfg)
     members = [(i, c.seed + r) for i, c in enumerate(cfgs) for r in range(c.reps)]
     batched = len(members) > 1 and resolved_reps_mode(cfg) == "vmap"
-    conv_form = resolved_conv_form(cfg, layout, batched)
+    conv_form = resolved_conv_form(cfg, layout)
     algo = make_algorithm(cfg, pool.num_classes, conv_form)
     varied = _varied(cfgs)
     # the algorithm of each run (its own hyperparameter values) and, batched, the values per repetition
@@ -347,7 +349,8 @@ def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
         log(f"{len(spread.devices) if spread else n_dev} {jax.default_backend()} devices: "
             + ("sequential clients spread over them" if spread else
                "repetitions split over them" if batched else "each round's clients split over them"))
-    return _Engine(datas, data, member_data, eval_data, layout, members, batched, algo, algos, runner, runners)
+    return _Engine(datas, data, member_data, eval_data, layout, conv_form, members, batched, algo, algos, runner,
+                   runners)
 
 
 def _initial_groups(cfgs: list[RunConfig], eng: _Engine) -> tuple[list[_Group], list]:
@@ -376,7 +379,8 @@ def _open_run_dirs(cfgs: list[RunConfig], eng: _Engine, histories: list, resume:
         _make_dir(c.out)
         if not resume or not os.path.exists(os.path.join(c.out, "config.json")):
             records.write_json(os.path.join(c.out, "config.json"), {
-                **c.to_dict(), "engine": dataclasses.asdict(eng.layout), "reps_batched": eng.batched,
+                **c.to_dict(), "engine": {**dataclasses.asdict(eng.layout), "conv_form": eng.conv_form},
+                "reps_batched": eng.batched,
                 "stacked_runs": len(cfgs), "environment": records.environment()})
     metrics_paths = [os.path.join(c.out, "metrics.jsonl") for c in cfgs]
     for path, history in zip(metrics_paths, histories):
@@ -564,19 +568,18 @@ def engine_layout(cfg: RunConfig) -> Layout:
                           "where not given)") from None
 
 
-def resolved_conv_form(cfg: RunConfig, layout: Layout, batched: bool) -> str:
-    """``lax`` or ``patches`` for the model's convolutions. auto: the matmul over patches where weights
-    of their own per member are vmapped (clients vmapped, or repetitions / stacked runs) on a CPU —
-    a vmapped convolution is a grouped one there, and a training step of 10 vmapped members ran
-    1.12× (MNIST) / 1.15× (CIFAR-10) faster as batched matmuls — and XLA's convolution elsewhere (on
-    one member it is 1.25–1.4× faster on a CPU; on a GPU not measured yet: BENCHMARKS.md, "Convolution
-    form"), except inside a loop: a CPU run whose local steps are a ``lax.scan`` takes the patches too,
-    as XLA:CPU runs a convolution inside a loop about 25× slower than outside one and the matmul at
-    its usual speed (``experiments/conv_in_loop.py``)."""
+def resolved_conv_form(cfg: RunConfig, layout: Layout) -> str:
+    """``lax``, ``patches`` or ``winograd`` for the model's convolutions. auto: the model's own choice for
+    the backend (:func:`~pfedkdh_jax.model.auto_conv_form`: ``winograd`` on a CPU, whose training step ran
+    1.4–1.6× as fast as with XLA's convolution on one member and 1.25× on ten vmapped members with weights
+    of their own, where the matmul over patches ran 0.66× and 0.98×: MNIST, BENCHMARKS.md, "Winograd"),
+    except inside a loop on a CPU: a run whose local steps are a ``lax.scan`` takes the patches, as XLA:CPU
+    runs a convolution (conv1, in the Winograd form) inside a loop about 25× slower than outside one and
+    the matmul at its usual speed (``experiments/conv_in_loop.py``)."""
     if cfg.conv_form != "auto":
         return cfg.conv_form
-    vmapped = layout.client_parallel == "vmap" or batched or layout.step_loop == "scan"
-    return "patches" if vmapped and jax.default_backend() == "cpu" else "lax"
+    form = model_lib.auto_conv_form()
+    return "patches" if form == "winograd" and layout.step_loop == "scan" else form
 
 
 def resolved_reps_mode(cfg: RunConfig) -> str:
