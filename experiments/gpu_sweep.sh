@@ -5,7 +5,8 @@
 #   bash experiments/gpu_sweep.sh
 # Steps, most important first, each under its own time limit (LIMIT scales them; seconds of step 1):
 #   0. the fp32 matmul rate, and the convolution forms with per-member weights (benchmarks.py convforms:
-#      XLA's, grouped once vmapped, against the matmul over patches; choose --conv-form's GPU default);
+#      XLA's, grouped once vmapped, against the matmul over patches and Winograd's F(4x4, 5x5) for conv2;
+#      choose --conv-form's GPU default: model.auto_conv_form);
 #   1. pFedKDH, MNIST α = 0.1, paper preset, 5 seeds as one vmapped program, 50 rounds, packed lanes
 #      (target: ≤ 20 s of training);
 #   2. pFedKDH on all six MNIST / Fashion-MNIST cells (α 0.05, 0.1, 0.5) × 5 seeds as one stacked sweep

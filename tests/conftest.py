@@ -36,7 +36,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # 20 % longer with it). So the tests run in this process take XLA's convolution where they leave the form
 # to ``auto``; tests/test_losses.py checks the Winograd form against XLA's (values, gradients, vmapped),
 # the ``measured_conv_form`` fixture gives a test the real choice (the CLI's smoke run takes it), and the
-# tests that start a subprocess run the real default.
+# tests that start a subprocess run the real default unless they choose (test_reps_devices' device checks).
 from pfedkdh_jax import model as _model  # noqa: E402
 
 MEASURED_AUTO_CONV_FORM = _model.auto_conv_form

@@ -76,6 +76,9 @@ def test_cli_reps_vmap_equals_sequential_and_reports_mean_std(tmp_path):
     assert len(row["reps"]) == 2 and "personalized_macro_accuracy_std" in row
 
 
+# XLA's convolution (conftest.py: the suite's form where a test is not about it): at 8 repetitions the
+# Winograd form's float32 rounding, summed in another order once sharded, flipped two test predictions
+# where this test allows one
 SCRIPT = r"""
 import json, sys
 import jax
@@ -83,7 +86,7 @@ from pfedkdh_jax.run.config import make_config
 from pfedkdh_jax.run.experiment import run
 cfg = make_config("smoke", out=sys.argv[1], reps=int(sys.argv[2]), reps_mode=sys.argv[5], num_clients=4,
                   rounds=2, local_epochs=1, ea_steps=2, client_parallel=sys.argv[3], step_loop=sys.argv[4],
-                  chunk_steps=4, checkpoint_every=0)
+                  chunk_steps=4, checkpoint_every=0, conv_form="lax")
 s = run(cfg, progress=False, log=lambda *_: None)
 print(json.dumps({"devices": jax.device_count(), "summary": s}))
 """
