@@ -298,8 +298,8 @@ CONV_FORMS = ("lax", "patches", "winograd")
 
 def auto_conv_form(backend: str | None = None) -> str:
     """The form of the model's convolutions where none is chosen: ``"winograd"`` on the CPU, where a training
-    step ran 1.4× (MNIST) and 1.04–1.23× (CIFAR-10) as fast as with XLA's convolution, for one member and
-    ten vmapped ones, ahead of ``"patches"`` too (BENCHMARKS.md, "Winograd"); ``"lax"`` on other backends
+    step ran 1.25–1.6× (MNIST) and 1.04–1.27× (CIFAR-10) as fast as with XLA's convolution, for one member
+    and ten vmapped ones, ahead of ``"patches"`` too (BENCHMARKS.md, "Winograd"); ``"lax"`` on other backends
     (not measured there yet). A run's ``--conv-form auto`` also looks at its layout
     (``run.experiment.resolved_conv_form``)."""
     return "winograd" if (backend or jax.default_backend()) == "cpu" else "lax"
@@ -308,8 +308,8 @@ def auto_conv_form(backend: str | None = None) -> str:
 class Backbone(nn.Module):
     """Conv 5×5·32 → ReLU → MaxPool 2 → Conv 5×5·64 → ReLU → MaxPool 2 → Dropout → Dense 512 → ReLU.
 
-    ``conv_form``: ``"lax"`` (flax's ``nn.Conv``, XLA's convolution, the default on every backend; on
-    CPU its input gradient is :func:`col2im_grad_conv`'s, through :func:`cpu_conv_general_dilated`),
+    ``conv_form``: ``"lax"`` (flax's ``nn.Conv``, XLA's convolution; on CPU its input gradient is
+    :func:`col2im_grad_conv`'s, through :func:`cpu_conv_general_dilated`),
     ``"patches"`` (:class:`PatchConv`, a matmul over patches: under ``vmap`` over per-member weights
     a batched matmul instead of a grouped convolution), ``"winograd"`` (``nn.Conv`` with conv2 by
     :func:`winograd_conv`, conv1 as ``"lax"``) or ``"auto"`` (the default: :func:`auto_conv_form` when
