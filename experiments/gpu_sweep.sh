@@ -11,10 +11,13 @@
 #      (target: ≤ 20 s of training);
 #   2. pFedKDH on all six MNIST / Fashion-MNIST cells (α 0.05, 0.1, 0.5) × 5 seeds as one stacked sweep
 #      (target: ≤ 90 s wall clock with compilation), and its useful FLOPs as a fraction of the matmul rate;
+#   T. the same CNN and partition in the PyTorch reference on the same GPU (experiments/cpu_vs_torch.py
+#      --device cuda): FedPer and FedAvg, one seed and five (PyTorch's one after another, ours one
+#      program), all 20 clients a round; the ratio of round times (issue 26, item 2);
 #   3. the widest table the time left allows: every method but FedFed on the same cells × 5 seeds.
 # Everything goes to $OUT (default runs/gpu-sweep): log.txt, the sweep tables, the run summaries.
 # A dry run on a CPU: DATASETS=digits ALPHAS=0.5,1.0 ROUNDS=1 PRESET=default LANES= METHODS=fedper LIMIT=300 \
-#   bash experiments/gpu_sweep.sh
+#   TORCH_DEVICE=cpu BUDGET=900 bash experiments/gpu_sweep.sh
 set -uo pipefail
 out="${OUT:-runs/gpu-sweep}"
 py="${PYTHON:-python3}"
@@ -73,6 +76,11 @@ wall=$("$py" -c "print(($(date +%s%N) - $t0) / 1e9)")
 echo "step 2: wall clock $wall s (with start-up and compilation)" | tee -a "$log"
 [ -n "$rate" ] && "$py" experiments/gpu_sweep.py fraction "$out/sweep-pfedkdh" --seconds "$wall" --rate "$rate" 2>&1 | tee -a "$log"
 
+# PyTorch on the same GPU; JAX gets half the GPU's memory (it would take 75 % at start-up) beside it
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 step "T: against PyTorch (${TORCH_DEVICE:-cuda})" $(( limit * 3 / 2 )) \
+  "$py" experiments/cpu_vs_torch.py --datasets "$first" "${data[@]}" --methods fedper,fedavg --seeds 1,5 \
+  --rounds 2 --device "${TORCH_DEVICE:-cuda}" "${pack[@]}" --write "$out/vs-torch.md"
+
 methods="${METHODS:-pfedkdh,fedavg,fedprox,ditto,pfedme,fedper,fedrep,fedbabu,fedproto,fedala,pfedsim}"
 # the widest table gets what is left of the budget (less 20 s to print the tables), at most limit × 3
 secs3=$(( $(left) - 20 ))
@@ -84,5 +92,6 @@ step "3: widest table ($methods)" "$secs3" "$py" -m pfedkdh_jax sweep --datasets
   --alphas "$alphas" --methods "$methods" --seeds 5 --stack --ea-every "$rounds" "${common[@]}" \
   --eval-every 10 --out "$out/sweep-all"
 fi
+[ -f "$out/vs-torch.md" ] && cat "$out/vs-torch.md" | tee -a "$log"
 for d in "$out"/sweep-*/; do [ -f "$d/table.md" ] && { echo "== $d"; cat "$d/table.md" "$d/costs.md"; } | tee -a "$log"; done
 find "$out" -name checkpoints -type d -prune -exec rm -rf {} +

@@ -9,7 +9,12 @@ one ``DataLoader`` per client and round), written here so that both sides of
 * local training: SGD (lr 0.015, no momentum), batch 64, a fresh shuffle every epoch, the last
   partial batch kept (``drop_last=False``), E epochs over the client's train split;
 * a FedPer round: every client starts from the global backbone and its own persistent head, trains
-  both, uploads the backbone; the server averages the backbones weighted by n_k.
+  both, uploads the backbone; the server averages the backbones weighted by n_k; a FedAvg round
+  (``personal_heads=False``): every client starts from the whole global model, and the server averages
+  whole models.
+
+On a GPU (``device="cuda"``) it does what the PyTorch FL libraries do: the model and the averaging on
+the device, each client's data in host memory, every batch of the ``DataLoader`` moved to the device.
 
 Needs PyTorch (``pip install -e '.[bench]'``); the library and its tests never import this file.
 """
@@ -44,8 +49,9 @@ def client_tensors(images: np.ndarray, labels: np.ndarray, idx: np.ndarray):
 
 
 def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int, batch_size: int = 64,
-                lr: float = 0.015, generator: torch.Generator | None = None) -> int:
-    """E epochs of SGD through a ``DataLoader`` (shuffled, last partial batch kept); returns the steps."""
+                lr: float = 0.015, generator: torch.Generator | None = None, device: str = "cpu") -> int:
+    """E epochs of SGD through a ``DataLoader`` (shuffled, last partial batch kept), each batch moved
+    to ``device`` (the model's); returns the steps."""
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size,
                                          shuffle=True, drop_last=False, generator=generator)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -54,6 +60,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     steps = 0
     for _ in range(epochs):
         for xb, yb in loader:
+            if device != "cpu":
+                xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             opt.zero_grad()
             loss_fn(model(xb), yb).backward()
             opt.step()
@@ -62,29 +70,36 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
 
 
 class FedPerReference:
-    """FedPer with persistent heads, one client after another (the PyTorch libraries' loop)."""
+    """FedPer with persistent heads (or FedAvg: ``personal_heads=False``), one client after another
+    (the PyTorch libraries' loop), the model on ``device``."""
 
-    def __init__(self, num_classes: int, channels: int, side: int, clients, seed: int = 0):
+    def __init__(self, num_classes: int, channels: int, side: int, clients, seed: int = 0, *,
+                 personal_heads: bool = True, device: str = "cpu"):
         torch.manual_seed(seed)
-        self.model = TorchCNN(num_classes, channels, side)
-        self.clients = clients  # [(x, y)], one per client
-        self.heads = [copy.deepcopy(self.model.head.state_dict()) for _ in clients]
+        self.device, self.personal_heads = device, personal_heads
+        self.model = TorchCNN(num_classes, channels, side).to(device)
+        self.clients = clients  # [(x, y)], one per client, in host memory
+        self.heads = [copy.deepcopy(self.model.head.state_dict()) for _ in clients] if personal_heads else None
         self.generator = torch.Generator().manual_seed(seed)
 
     def round(self, selected, epochs: int) -> int:
-        """One round over ``selected``; returns the local steps taken."""
-        global_backbone = copy.deepcopy(self.model.backbone.state_dict())
+        """One round over ``selected``; returns the local steps taken (the device's work is queued:
+        ``torch.cuda.synchronize()`` to wait for it)."""
+        shared = self.model.backbone if self.personal_heads else self.model
+        global_state = copy.deepcopy(shared.state_dict())
         uploads, weights, steps = [], [], 0
         for k in selected:
             x, y = self.clients[k]
-            self.model.backbone.load_state_dict(global_backbone)
-            self.model.head.load_state_dict(self.heads[k])
-            steps += local_train(self.model, x, y, epochs=epochs, generator=self.generator)
-            uploads.append(copy.deepcopy(self.model.backbone.state_dict()))
-            self.heads[k] = copy.deepcopy(self.model.head.state_dict())
+            shared.load_state_dict(global_state)
+            if self.personal_heads:
+                self.model.head.load_state_dict(self.heads[k])
+            steps += local_train(self.model, x, y, epochs=epochs, generator=self.generator, device=self.device)
+            uploads.append(copy.deepcopy(shared.state_dict()))
+            if self.personal_heads:
+                self.heads[k] = copy.deepcopy(self.model.head.state_dict())
             weights.append(len(y))
-        w = torch.tensor(weights, dtype=torch.float32)
+        w = torch.tensor(weights, dtype=torch.float32, device=self.device)
         w = w / w.sum()
-        avg = {name: sum(wi * u[name] for wi, u in zip(w, uploads)) for name in global_backbone}
-        self.model.backbone.load_state_dict(avg)
+        avg = {name: sum(wi * u[name] for wi, u in zip(w, uploads)) for name in global_state}
+        shared.load_state_dict(avg)
         return steps
