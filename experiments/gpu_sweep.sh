@@ -14,10 +14,13 @@
 #   T. the same CNN and partition in the PyTorch reference on the same GPU (experiments/cpu_vs_torch.py
 #      --device cuda): FedPer and FedAvg, one seed and five (PyTorch's one after another, ours one
 #      program), all 20 clients a round; the ratio of round times (issue 26, item 2);
+#   P. a profile of 3 rounds of step 1's program (all 20 clients a round): the device's busy fraction, the
+#      gaps between kernels, the kernels that take the time (gpu_sweep.py profile; PROFILE_THREADS=XLAEigen
+#      counts the op threads in a CPU dry run);
 #   3. the widest table the time left allows: every method but FedFed on the same cells × 5 seeds.
 # Everything goes to $OUT (default runs/gpu-sweep): log.txt, the sweep tables, the run summaries.
 # A dry run on a CPU: DATASETS=digits ALPHAS=0.5,1.0 ROUNDS=1 PRESET=default LANES= METHODS=fedper LIMIT=300 \
-#   TORCH_DEVICE=cpu BUDGET=900 bash experiments/gpu_sweep.sh
+#   TORCH_DEVICE=cpu PROFILE_THREADS=XLAEigen BUDGET=900 bash experiments/gpu_sweep.sh
 set -uo pipefail
 out="${OUT:-runs/gpu-sweep}"
 py="${PYTHON:-python3}"
@@ -31,6 +34,7 @@ gpu_data="${GPU_DATA:-runs/gpu-data}"
 budget="${BUDGET:-560}"   # seconds for the whole script: the device tool stops a call after 600
 start_ns=$(date +%s%N)
 left() { echo $(( budget - ($(date +%s%N) - start_ns) / 1000000000 )); }   # seconds left of the budget
+cap() { local l=$(( $(left) - 25 )); [ "$1" -lt "$l" ] && l=$1; [ "$l" -lt 10 ] && l=10; echo "$l"; }   # $1, within the budget
 log="$out/log.txt"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -77,9 +81,14 @@ echo "step 2: wall clock $wall s (with start-up and compilation)" | tee -a "$log
 [ -n "$rate" ] && "$py" experiments/gpu_sweep.py fraction "$out/sweep-pfedkdh" --seconds "$wall" --rate "$rate" 2>&1 | tee -a "$log"
 
 # PyTorch on the same GPU; JAX gets half the GPU's memory (it would take 75 % at start-up) beside it
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 step "T: against PyTorch (${TORCH_DEVICE:-cuda})" $(( limit * 3 / 2 )) \
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 step "T: against PyTorch (${TORCH_DEVICE:-cuda})" "$(cap $(( limit * 3 / 2 )))" \
   "$py" experiments/cpu_vs_torch.py --datasets "$first" "${data[@]}" --methods fedper,fedavg --seeds 1,5 \
   --rounds 2 --device "${TORCH_DEVICE:-cuda}" "${pack[@]}" --write "$out/vs-torch.md"
+
+step "P: profile" "$(cap $(( limit * 3 / 4 )))" "$py" experiments/gpu_sweep.py profile "$out/profile" "${data[@]}" \
+  --dataset "$first" --alpha "${PROFILE_ALPHA:-0.1}" --seeds 5 ${lanes:+--lanes "$lanes"} \
+  ${PROFILE_THREADS:+--threads-like "$PROFILE_THREADS"}
+find "$out/profile" -name "*.xplane.pb" -delete 2>/dev/null   # keep the perfetto trace only (smaller)
 
 methods="${METHODS:-pfedkdh,fedavg,fedprox,ditto,pfedme,fedper,fedrep,fedbabu,fedproto,fedala,pfedsim}"
 # the widest table gets what is left of the budget (less 20 s to print the tables), at most limit × 3
