@@ -18,11 +18,16 @@
 #      gaps between kernels, the kernels that take the time (gpu_sweep.py profile; PROFILE_THREADS=XLAEigen
 #      counts the op threads in a CPU dry run);
 #   3. the widest table the time left allows: every method but FedFed on the same cells × 5 seeds.
-# Everything goes to $OUT (default runs/gpu-sweep): log.txt, the sweep tables, the run summaries.
+# Everything goes to $OUT (default runs/gpu-sweep): log.txt, and results.tar.gz with the sweep tables, the
+# run summaries, vs-torch.md and the profile. The device call, from here:
+#   run(command="bash experiments/gpu_sweep.sh", carry=["runs/gpu-data"], timeout_s=600)
 # A dry run on a CPU: DATASETS=digits ALPHAS=0.5,1.0 ROUNDS=1 PRESET=default LANES= METHODS=fedper LIMIT=300 \
 #   TORCH_DEVICE=cpu PROFILE_THREADS=XLAEigen BUDGET=900 bash experiments/gpu_sweep.sh
 set -uo pipefail
-out="${OUT:-runs/gpu-sweep}"
+# what comes back from the device (the tool returns at most 8 files, 2 folders down): $OUT/log.txt and
+# $OUT/results.tar.gz (every result file, re-packed after each step); the results are written outside it
+dest="${OUT:-runs/gpu-sweep}"
+out="${SWEEP_WORK:-$( [ -n "${OUT:-}" ] && echo /tmp/gpu-sweep || echo "$dest/work" )}"
 py="${PYTHON:-python3}"
 limit="${LIMIT:-100}"
 rounds="${ROUNDS:-50}"
@@ -35,9 +40,11 @@ budget="${BUDGET:-560}"   # seconds for the whole script: the device tool stops 
 start_ns=$(date +%s%N)
 left() { echo $(( budget - ($(date +%s%N) - start_ns) / 1000000000 )); }   # seconds left of the budget
 cap() { local l=$(( $(left) - 25 )); [ "$1" -lt "$l" ] && l=$1; [ "$l" -lt 10 ] && l=10; echo "$l"; }   # $1, within the budget
-log="$out/log.txt"
-mkdir -p "$out"
+log="$dest/log.txt"
+mkdir -p "$out" "$dest"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the package from this checkout (not installed there)
+save() { tar -czf "$dest/results.tar.gz" --exclude="*.xplane.pb" --exclude="*trace.json.gz" --exclude=checkpoints -C "$out" . 2>/dev/null; }
 data=()
 if [ -d "$gpu_data/tfds" ]; then
   export PFEDKDH_CACHE_DIR="$gpu_data/cache"
@@ -51,6 +58,7 @@ step() {  # step NAME SECONDS COMMAND...: COMMAND under a time limit; its output
   timeout "$secs" "$@" 2>&1 | tee -a "$log" | tail -20
   rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc after $(( ($(date +%s%N) - t0) / 1000000 )) ms" | tee -a "$log"
+  save
   return "$rc"
 }
 "$py" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" 2>&1 | tee "$log" || exit 1
@@ -88,7 +96,6 @@ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 step "T: against PyTorch (${TORCH_DEVICE:-cud
 step "P: profile" "$(cap $(( limit * 3 / 4 )))" "$py" experiments/gpu_sweep.py profile "$out/profile" "${data[@]}" \
   --dataset "$first" --alpha "${PROFILE_ALPHA:-0.1}" --seeds 5 ${lanes:+--lanes "$lanes"} \
   ${PROFILE_THREADS:+--threads-like "$PROFILE_THREADS"}
-find "$out/profile" -name "*.xplane.pb" -delete 2>/dev/null   # keep the perfetto trace only (smaller)
 
 methods="${METHODS:-pfedkdh,fedavg,fedprox,ditto,pfedme,fedper,fedrep,fedbabu,fedproto,fedala,pfedsim}"
 # the widest table gets what is left of the budget (less 20 s to print the tables), at most limit × 3
@@ -104,3 +111,5 @@ fi
 [ -f "$out/vs-torch.md" ] && cat "$out/vs-torch.md" | tee -a "$log"
 for d in "$out"/sweep-*/; do [ -f "$d/table.md" ] && { echo "== $d"; cat "$d/table.md" "$d/costs.md"; } | tee -a "$log"; done
 find "$out" -name checkpoints -type d -prune -exec rm -rf {} +
+save
+echo "results: $dest/results.tar.gz ($(du -h "$dest/results.tar.gz" | cut -f1))" | tee -a "$log"
