@@ -39,7 +39,7 @@ import numpy as np
 WORK = {"mnist": (0.1, 2), "cifar10": (0.05, 3), "digits": (0.5, 1)}  # dataset -> (α, E); digits: a dry run
 
 
-def torch_side(pool, part, epochs: int, threads: int, *, method: str = "fedper", seeds: int = 1,
+def torch_side(pool, part, epochs: int, threads: int | None, *, method: str = "fedper", seeds: int = 1,
                device: str = "cpu"):
     """(step samples/s, a function that runs one round) of the PyTorch reference: ``seeds`` runs of
     ``method`` (fedper or fedavg) one after another, as a PyTorch user runs a table's seeds."""
@@ -47,7 +47,8 @@ def torch_side(pool, part, epochs: int, threads: int, *, method: str = "fedper",
 
     from torch_reference import FedPerReference, TorchCNN, client_tensors, local_train
 
-    torch.set_num_threads(threads)
+    if threads:
+        torch.set_num_threads(threads)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     h, w, c = pool.images.shape[1:]
     clients = [client_tensors(pool.images, pool.labels, idx) for idx in part.train_idx]
@@ -155,7 +156,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="1", help="comma-separated counts of seeds: PyTorch runs them one after "
                                                  "another, JAX as one vmapped program (e.g. 1,5)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="PyTorch intra-op threads (default: 2 with --device cpu, as the 2-core benchmarks ran; "
+                         "PyTorch's own otherwise)")
     ap.add_argument("--device", default="cpu", help="PyTorch's device (cpu, cuda); JAX uses its default backend")
     ap.add_argument("--client-parallel", default=None)
     ap.add_argument("--step-loop", default=None)
@@ -170,6 +173,8 @@ def main() -> None:
     ap.add_argument("--only", choices=("torch", "jax"), default=None)
     ap.add_argument("--write", default=None, help="append the markdown table (and JSON) here")
     args = ap.parse_args()
+    if args.threads is None and args.device == "cpu":
+        args.threads = 2
     methods = args.methods.split(",")
     if not set(methods) <= {"fedper", "fedavg"}:
         ap.error(f"--methods: fedper and/or fedavg, got {args.methods!r}")
