@@ -132,8 +132,10 @@ def jax_side(cfg, pool, part, seeds: int = 1, lanes: int | None = None):
         return 5 * 8 * 64 / (time.perf_counter() - t0)
 
     from pfedkdh_jax.engine.layout import local_training_compiler_options
-    return {"step_samples_per_s": step_rate(local_training_compiler_options()),  # as the engine compiles
-            "step_samples_per_s_xla_defaults": step_rate(None),
+    engine_options = local_training_compiler_options()   # as the engine compiles (None: XLA's defaults)
+    rate = step_rate(engine_options)
+    return {"step_samples_per_s": rate,
+            "step_samples_per_s_xla_defaults": step_rate(None) if engine_options else rate,
             "engine": f"{engine.client_parallel} + {engine.step_loop}"
                       + (f", {engine.lanes} lanes" if engine.lanes else "")
                       + (f" (chunk {engine.chunk_steps})" if engine.step_loop == "unrolled" else "")

@@ -10,7 +10,8 @@
 #   1. pFedKDH, MNIST α = 0.1, paper preset, 5 seeds as one vmapped program, 50 rounds, packed lanes
 #      (target: ≤ 20 s of training);
 #   2. pFedKDH on all six MNIST / Fashion-MNIST cells (α 0.05, 0.1, 0.5) × 5 seeds as one stacked sweep
-#      (target: ≤ 90 s wall clock with compilation), and its useful FLOPs as a fraction of the matmul rate;
+#      (target: ≤ 90 s wall clock with compilation; cut at 2 × LIMIT, its metrics.jsonl then say how far
+#      it got), and its useful FLOPs as a fraction of the matmul rate;
 #   T. the same CNN and partition in the PyTorch reference on the same GPU (experiments/cpu_vs_torch.py
 #      --device cuda): FedPer and FedAvg, one seed and five (PyTorch's one after another, ours one
 #      program), all 20 clients a round; the ratio of round times (issue 26, item 2);
@@ -81,7 +82,7 @@ print('step 1: s/round', s.get('seconds_per_round'), 'compile s', s.get('compile
       'Fair', s.get('personalized_macro_accuracy'), 'EA', s.get('personalized_macro_accuracy_ea'))" 2>&1 | tee -a "$log"
 
 t0=$(date +%s%N)
-step "2: pfedkdh sweep, $datasets × α $alphas × 5 seeds, stacked" $(( limit * 3 )) "$py" -m pfedkdh_jax sweep \
+step "2: pfedkdh sweep, $datasets × α $alphas × 5 seeds, stacked" "$(cap $(( limit * 2 )))" "$py" -m pfedkdh_jax sweep \
   --datasets "$datasets" --alphas "$alphas" --methods pfedkdh --seeds 5 --stack "${pack[@]}" \
   --ea-every "$rounds" "${common[@]}" --out "$out/sweep-pfedkdh"
 wall=$("$py" -c "print(($(date +%s%N) - $t0) / 1e9)")
