@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pfedkdh_jax.algorithms import fedfed
-from pfedkdh_jax.algorithms.vae import VAE, kl_term, latent_size, reconstruction
+from pfedkdh_jax.algorithms.vae import VAE, UpConv, kl_term, latent_size, reconstruction
 from pfedkdh_jax.data.device import gather_inputs
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.runner import PhasedRunner
@@ -49,6 +49,25 @@ def test_vae_shapes_and_size():
     cnn = jax.eval_shape(lambda k: CNN(10).init(k, (28, 28, 1)), jax.random.key(0))
     ratio = param_count(v["params"]) / param_count(cnn)
     assert 12 < ratio < 14                                               # ≈ 13× the CNN
+
+
+@pytest.mark.parametrize("channels,features,side", [(4, 3, 5), (3, 1, 4)])
+def test_upconv_is_flax_conv_transpose(channels, features, side):
+    """The decoder's form: flax's stride-2 4×4 transposed convolution's parameters, initialisation,
+    values and both gradients (to float32 rounding), at odd and even sides."""
+    import flax.linen as nn
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, side, side, channels)).astype(np.float32))
+    ref, up = nn.ConvTranspose(features, (4, 4), strides=(2, 2)), UpConv(features)
+    params = ref.init(jax.random.key(1), x)
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, up.init(jax.random.key(1), x))
+    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(params),
+                                                            jax.tree.leaves(up.init(jax.random.key(1), x))))
+    params = jax.tree.map(lambda a: a + 0.1, params)     # a bias that is not zero
+    loss = lambda m: lambda p, x: jnp.sum(jnp.sin(m.apply(p, x)))  # noqa: E731
+    np.testing.assert_allclose(up.apply(params, x), ref.apply(params, x), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(jax.grad(loss(up), (0, 1))(params, x)),
+                    jax.tree.leaves(jax.grad(loss(ref), (0, 1))(params, x))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_ce_reaches_the_vae_and_mse_does_not_reach_f(tiny):

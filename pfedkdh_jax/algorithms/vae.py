@@ -18,6 +18,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PyTree = Any
 WIDTH = 32   # channels (16, 32)
@@ -35,6 +36,37 @@ class ResBlock(nn.Module):
         y = nn.Conv(self.channels, (3, 3))(y)
         y = nn.BatchNorm(use_running_average=not train, momentum=0.9)(y, mask=mask)
         return nn.relu(x + y)
+
+
+# S[p, y, u] = 1 where an output pixel of parity p (along one axis) reads the input at window offset y
+# (rows i − 1, i, i + 1 of a 3×3 window) through kernel tap u of a stride-2 4×4 transposed convolution
+# ('SAME' padding): even outputs read x[i − 1]·K[0] + x[i]·K[2], odd ones x[i]·K[1] + x[i + 1]·K[3]
+_PARITY_TAPS = np.zeros((2, 3, 4), np.float32)
+for _p, _y, _u in ((0, 0, 0), (0, 1, 2), (1, 1, 1), (1, 2, 3)):
+    _PARITY_TAPS[_p, _y, _u] = 1.0
+
+
+class UpConv(nn.Module):
+    """``nn.ConvTranspose(features, (4, 4), strides=(2, 2))`` ('SAME' padding): the same parameters,
+    initialisation and values, computed as one 3×3 convolution to ``4·features`` channels (one group per
+    output pixel's parity along each axis) and a depth-to-space. XLA:CPU computes a transposed
+    convolution's gradients as input-dilated convolutions, 16× its forward pass at the decoder's shapes
+    (``experiments/fedfed_cost.py --step``); these are the plain convolution's."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        c = x.shape[-1]
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (4, 4, c, self.features))
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        taps = jnp.asarray(_PARITY_TAPS)
+        w = jnp.einsum("pyu,qxv,uvco->yxcpqo", taps, taps, kernel).reshape(3, 3, c, 4 * self.features)
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)),
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        b, h, wd = x.shape[:3]
+        y = y.reshape(b, h, wd, 2, 2, self.features).transpose(0, 1, 3, 2, 4, 5)
+        return y.reshape(b, 2 * h, 2 * wd, self.features) + bias.reshape(1, 1, 1, -1)
 
 
 class VAE(nn.Module):
@@ -63,8 +95,9 @@ class VAE(nn.Module):
         h = nn.Dense(f, name="decoder_input")(z).reshape((-1,) + shape)
         for _ in range(2):
             h = ResBlock(self.width)(h, train, m)
-        h = nn.relu(self._bn(train)(nn.ConvTranspose(channels[0], (4, 4), strides=(2, 2))(h), mask=m))
-        x_r = nn.sigmoid(nn.ConvTranspose(self.out_channels, (4, 4), strides=(2, 2))(h))
+        # flax's ConvTranspose computed as plain convolutions (UpConv); its names keep the parameter tree
+        h = nn.relu(self._bn(train)(UpConv(channels[0], name="ConvTranspose_0")(h), mask=m))
+        x_r = nn.sigmoid(UpConv(self.out_channels, name="ConvTranspose_1")(h))
         return x_r, mean, logvar
 
 
