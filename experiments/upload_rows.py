@@ -5,7 +5,7 @@ uploads written in place").
 
     python experiments/upload_rows.py 1000
 """
-import time, jax, jax.numpy as jnp, numpy as np
+import time, jax, jax.numpy as jnp
 from pfedkdh_jax.engine.local import tree_stack
 from pfedkdh_jax.algorithms.common import weighted_average
 C = int(__import__("sys").argv[1])

@@ -8,7 +8,6 @@ import pytest
 
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.model import CNN
-from pfedkdh_jax.algorithms.common import weighted_average
 from pfedkdh_jax.algorithms.pfedkdh import PFedKDH, PFedKDHConfig
 from pfedkdh_jax.engine.runner import RoundRunner, sample_schedule
 

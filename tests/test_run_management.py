@@ -14,7 +14,7 @@ import pytest
 from pfedkdh_jax.run import cli
 from pfedkdh_jax.run.checkpoint import CheckpointError
 from pfedkdh_jax.run.config import make_config
-from pfedkdh_jax.run.experiment import resume, run
+from pfedkdh_jax.run.experiment import resume
 
 # runs are killed in a subprocess and resumed in this one: both take the package's own conv form
 pytestmark = pytest.mark.usefixtures("measured_conv_form_module")
