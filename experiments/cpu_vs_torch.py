@@ -39,52 +39,64 @@ import numpy as np
 WORK = {"mnist": (0.1, 2), "cifar10": (0.05, 3), "digits": (0.5, 1)}  # dataset -> (α, E); digits: a dry run
 
 
-def torch_side(pool, part, epochs: int, threads: int | None, *, method: str = "fedper", seeds: int = 1,
-               device: str = "cpu"):
-    """(step samples/s, a function that runs one round) of the PyTorch reference: ``seeds`` runs of
-    ``method`` (fedper or fedavg) one after another, as a PyTorch user runs a table's seeds."""
+def torch_step_rate(pool, part, threads: int | None, device: str = "cpu") -> float:
+    """Samples/s of PyTorch's training step of batch 64, alone (the largest client's first 20 batches)."""
     import torch
 
-    from torch_reference import FedPerReference, TorchCNN, client_tensors, local_train
+    from torch_reference import TorchCNN, client_tensors, local_train
 
     if threads:
         torch.set_num_threads(threads)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    h, w, c = pool.images.shape[1:]
+    big = part.train_idx[int(np.argmax([len(t) for t in part.train_idx]))]
+    x, y = client_tensors(pool.images, pool.labels, big[:64 * 20])
+    model = TorchCNN(pool.num_classes, c, h).to(device)
+    local_train(model, x, y, epochs=1, device=device)  # warm-up
+    _sync(device)
+    t0 = time.perf_counter()
+    steps = local_train(model, x, y, epochs=2, device=device)
+    _sync(device)
+    return steps * 64 / (time.perf_counter() - t0)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
+
+
+def torch_side(pool, part, epochs: int, threads: int | None, *, method: str = "fedper", seeds: int = 1,
+               device: str = "cpu"):
+    """A function that runs one round of the PyTorch reference: ``seeds`` runs of ``method`` (fedper or
+    fedavg) one after another, as a PyTorch user runs a table's seeds."""
+    import torch
+
+    from torch_reference import FedPerReference, client_tensors
+
+    if threads:
+        torch.set_num_threads(threads)
     h, w, c = pool.images.shape[1:]
     clients = [client_tensors(pool.images, pool.labels, idx) for idx in part.train_idx]
-    # one step of batch 64, alone
-    model = TorchCNN(pool.num_classes, c, h).to(device)
-    x, y = clients[int(np.argmax([len(t[1]) for t in clients]))]
-    xb, yb = x[:64 * 20], y[:64 * 20]
-    local_train(model, xb, yb, epochs=1, device=device)  # warm-up
-    sync()
-    t0 = time.perf_counter()
-    steps = local_train(model, xb, yb, epochs=2, device=device)
-    sync()
-    step_rate = steps * 64 / (time.perf_counter() - t0)
     refs = [FedPerReference(pool.num_classes, c, h, clients, seed=s, personal_heads=method == "fedper",
                             device=device) for s in range(seeds)]
 
     def one_round():
         for ref in refs:
             ref.round(range(len(clients)), epochs)
-        sync()
-    return step_rate, one_round
+        _sync(device)
+    return one_round
 
 
 def jax_side(cfg, pool, part, seeds: int = 1, lanes: int | None = None):
     """(facts of the engine, a function that runs one round) of pfedkdh_jax: ``seeds`` repetitions as
-    one program (vmapped) when more than one."""
+    the CLI runs them (``cfg.reps_mode``: one vmapped program, or one after another)."""
     import jax
-    import jax.numpy as jnp
-    import optax
 
-    from pfedkdh_jax import algorithms, losses
+    from pfedkdh_jax import algorithms
     from pfedkdh_jax.data.device import build_federated_data
     from pfedkdh_jax.engine.layout import Layout
     from pfedkdh_jax.engine.local import tree_stack
     from pfedkdh_jax.engine.runner import RoundRunner
-    from pfedkdh_jax.model import CNN
     from pfedkdh_jax.run.experiment import resolved_reps_mode
 
     data = build_federated_data(pool, part)
@@ -108,13 +120,31 @@ def jax_side(cfg, pool, part, seeds: int = 1, lanes: int | None = None):
         jax.block_until_ready(box["states"])
         box["r"] += 1
 
-    # one step of batch 64, alone (the model's training step, unrolled 8 to a compiled call)
-    model = CNN(pool.num_classes)
-    params = model.init(jax.random.key(0), data.input_shape)
-    tx = optax.sgd(cfg.lr)
+    return {"engine": f"{engine.client_parallel} + {engine.step_loop}"
+                      + (f", {engine.lanes} lanes" if engine.lanes else "")
+                      + (f" (chunk {engine.chunk_steps})" if engine.step_loop == "unrolled" else "")
+                      + (f", {engine.client_devices} devices" if engine.client_devices > 1 else "")
+                      + (", seeds vmapped" if reps else ", seeds in turn" if seeds > 1 else ""),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}, one_round
+
+
+def jax_step_rates(num_classes: int, input_shape, lr: float) -> dict:
+    """Samples/s of the model's training step of batch 64, alone (unrolled 8 to a compiled call), compiled
+    as the engine compiles local training and, where that adds options, with XLA's defaults."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from pfedkdh_jax import losses
+    from pfedkdh_jax.engine.layout import local_training_compiler_options
+    from pfedkdh_jax.model import CNN
+
+    model = CNN(num_classes)
+    params = model.init(jax.random.key(0), input_shape)
+    tx = optax.sgd(lr)
     rng = np.random.default_rng(0)
-    xs = jnp.asarray(rng.normal(size=(8, 64, *data.input_shape)).astype(np.float32))
-    ys = jnp.asarray(rng.integers(0, pool.num_classes, (8, 64)).astype(np.int32))
+    xs = jnp.asarray(rng.normal(size=(8, 64, *input_shape)).astype(np.float32))
+    ys = jnp.asarray(rng.integers(0, num_classes, (8, 64)).astype(np.int32))
 
     def chunk(p, o):
         for i in range(8):
@@ -122,6 +152,7 @@ def jax_side(cfg, pool, part, seeds: int = 1, lanes: int | None = None):
             u, o = tx.update(g, o, p)
             p = optax.apply_updates(p, u)
         return p, o
+
     def step_rate(options):
         f = jax.jit(chunk, compiler_options=options)
         p, o = jax.block_until_ready(f(params, tx.init(params)))
@@ -131,17 +162,36 @@ def jax_side(cfg, pool, part, seeds: int = 1, lanes: int | None = None):
         jax.block_until_ready(p)
         return 5 * 8 * 64 / (time.perf_counter() - t0)
 
-    from pfedkdh_jax.engine.layout import local_training_compiler_options
-    engine_options = local_training_compiler_options()   # as the engine compiles (None: XLA's defaults)
+    engine_options = local_training_compiler_options()   # None: XLA's defaults (a GPU)
     rate = step_rate(engine_options)
     return {"step_samples_per_s": rate,
-            "step_samples_per_s_xla_defaults": step_rate(None) if engine_options else rate,
-            "engine": f"{engine.client_parallel} + {engine.step_loop}"
-                      + (f", {engine.lanes} lanes" if engine.lanes else "")
-                      + (f" (chunk {engine.chunk_steps})" if engine.step_loop == "unrolled" else "")
-                      + (f", {engine.client_devices} devices" if engine.client_devices > 1 else "")
-                      + (", seeds vmapped" if reps else ", seeds in turn" if seeds > 1 else ""),
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}, one_round
+            "step_samples_per_s_xla_defaults": step_rate(None) if engine_options else rate}
+
+
+def side_by_side(args, cfg, pool, part, rates: dict, *, method: str, seeds: int) -> dict:
+    """One row: each side's first round (JAX's compiles), then ``args.rounds`` rounds taken in turns."""
+    row = {"dataset": cfg.dataset, "alpha": cfg.alpha, "epochs": cfg.local_epochs,
+           "sample_steps": cfg.local_epochs * sum(len(t) for t in part.train_idx),
+           "method": method, "seeds": seeds, "torch_device": args.device}
+    sides = {}
+    if "torch" in rates:
+        sides["torch"] = torch_side(pool, part, cfg.local_epochs, args.threads, method=method, seeds=seeds,
+                                    device=args.device)
+        row["torch"] = {**rates["torch"], "first_round_seconds": timed(sides["torch"])}
+    if "jax" in rates:
+        facts, sides["jax"] = jax_side(cfg, pool, part, seeds, args.lanes)
+        row["jax"] = {**rates["jax"], **facts, "first_round_seconds": timed(sides["jax"])}   # compiles
+    for side in sides:
+        row[side]["round_seconds"] = []
+    # the frameworks take turns, a round each, so that both see the machine as it is at the time
+    # (its speed drifts by up to 1.4× within an hour); a short pause lets the other's threads idle
+    for _ in range(args.rounds):
+        for side, fn in sides.items():
+            time.sleep(1.0)
+            row[side]["round_seconds"].append(timed(fn))
+    if len(sides) == 2:
+        row["ratios"] = [j / t for t, j in zip(row["torch"]["round_seconds"], row["jax"]["round_seconds"])]
+    return row
 
 
 def timed(fn) -> float:
@@ -156,7 +206,7 @@ def main() -> None:
     ap.add_argument("--datasets", default="mnist,cifar10")
     ap.add_argument("--methods", default="fedper", help="fedper and/or fedavg (comma-separated)")
     ap.add_argument("--seeds", default="1", help="comma-separated counts of seeds: PyTorch runs them one after "
-                                                 "another, JAX as one vmapped program (e.g. 1,5)")
+                                                 "another, JAX as its CLI runs repetitions (e.g. 1,5)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None,
                     help="PyTorch intra-op threads (default: 2 with --device cpu, as the 2-core benchmarks ran; "
@@ -189,38 +239,21 @@ def main() -> None:
     rows = []
     for dataset in args.datasets.split(","):
         alpha, epochs = WORK[dataset]
-        pool = part = None
-        for method in methods:
-            for seeds in (int(n) for n in args.seeds.split(",")):
-                cfg = make_config("paper", method=method, dataset=dataset, alpha=alpha, data_dir=args.data_dir,
-                                  participation=1.0, local_epochs=epochs, client_parallel=args.client_parallel,
-                                  step_loop=args.step_loop, chunk_steps=args.chunk_steps,
-                                  client_devices=args.client_devices, reps_mode=args.reps_mode)
-                if pool is None:
-                    pool, part, _ = prepare_data(cfg)
-                sample_steps = epochs * sum(len(t) for t in part.train_idx)
-                row = {"dataset": dataset, "alpha": alpha, "epochs": epochs, "sample_steps": sample_steps,
-                       "method": method, "seeds": seeds, "torch_device": args.device}
-                sides = {}
-                if args.only != "jax":
-                    rate, sides["torch"] = torch_side(pool, part, epochs, args.threads, method=method, seeds=seeds,
-                                                      device=args.device)
-                    row["torch"] = {"step_samples_per_s": rate, "first_round_seconds": timed(sides["torch"])}
-                if args.only != "torch":
-                    row["jax"], sides["jax"] = jax_side(cfg, pool, part, seeds, args.lanes)
-                    row["jax"]["first_round_seconds"] = timed(sides["jax"])   # compiles
-                for side in sides:
-                    row[side]["round_seconds"] = []
-                # the frameworks take turns, a round each, so that both see the machine as it is at the time
-                # (its speed drifts by up to 1.4× within an hour); a short pause lets the other's threads idle
-                for _ in range(args.rounds):
-                    for side, fn in sides.items():
-                        time.sleep(1.0)
-                        row[side]["round_seconds"].append(timed(fn))
-                if len(sides) == 2:
-                    row["ratios"] = [j / t for t, j in zip(row["torch"]["round_seconds"], row["jax"]["round_seconds"])]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        cfgs = [(method, seeds, make_config(
+                    "paper", method=method, dataset=dataset, alpha=alpha, data_dir=args.data_dir, participation=1.0,
+                    local_epochs=epochs, client_parallel=args.client_parallel, step_loop=args.step_loop,
+                    chunk_steps=args.chunk_steps, client_devices=args.client_devices, reps_mode=args.reps_mode))
+                for method in methods for seeds in (int(n) for n in args.seeds.split(","))]
+        pool, part, _ = prepare_data(cfgs[0][2])
+        # the lone step depends on neither method nor seeds: measured once per dataset
+        rates = {}
+        if args.only != "jax":
+            rates["torch"] = {"step_samples_per_s": torch_step_rate(pool, part, args.threads, args.device)}
+        if args.only != "torch":
+            rates["jax"] = jax_step_rates(pool.num_classes, pool.images.shape[1:], cfgs[0][2].lr)
+        for method, seeds, cfg in cfgs:
+            rows.append(side_by_side(args, cfg, pool, part, rates, method=method, seeds=seeds))
+            print(json.dumps(rows[-1]), flush=True)
 
     lines = ["| work | method, seeds | PyTorch reference | pfedkdh_jax "
              "| ratio (JAX / PyTorch round time, median of the turns) | step of batch 64, samples/s: PyTorch / JAX |",

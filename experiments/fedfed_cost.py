@@ -88,6 +88,7 @@ print(json.dumps({"chunk_steps": layout.chunk_steps, "batch": cfg.batch_size, "p
 
 STEP_SCRIPT = """
 import json, sys, time
+import flax.linen as nn
 import jax, jax.numpy as jnp, numpy as np, optax
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms import common as C
@@ -131,7 +132,6 @@ def compiled_step():
     g = jax.jit(lambda p, o: algo.three_passes(p, o, None, x, y, mask, key)[1], compiler_options=opts)
     jax.block_until_ready(g(*step_args))   # traced and compiled now
     return g
-import flax.linen as nn
 import pfedkdh_jax.algorithms.vae as vae_module
 upconv = vae_module.UpConv
 vae_module.UpConv = lambda features, name: nn.ConvTranspose(features, (4, 4), strides=(2, 2), name=name)

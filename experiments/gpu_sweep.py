@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -85,7 +86,6 @@ def profile(out: str, data_dir: str | None, dataset: str, alpha: float, seeds: i
     one_round()   # compiles
     one_round()
     os.makedirs(out, exist_ok=True)
-    import time
     t0 = time.perf_counter()
     with jax.profiler.trace(out, create_perfetto_trace=True):
         for _ in range(rounds):

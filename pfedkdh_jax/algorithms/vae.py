@@ -50,7 +50,7 @@ class UpConv(nn.Module):
     """``nn.ConvTranspose(features, (4, 4), strides=(2, 2))`` ('SAME' padding): the same parameters,
     initialisation and values, computed as one 3×3 convolution to ``4·features`` channels (one group per
     output pixel's parity along each axis) and a depth-to-space. XLA:CPU computes a transposed
-    convolution's gradients as input-dilated convolutions, 16× its forward pass at the decoder's shapes
+    convolution's gradients as input-dilated convolutions, about 15× its forward pass at the decoder's shapes
     (``experiments/fedfed_cost.py --step``); these are the plain convolution's."""
 
     features: int
