@@ -7,8 +7,9 @@ the small committed files under experiments/results/ (issue 24).
 Inputs, each saying where its numbers come from (command, date, BENCHMARKS.md section):
 ``table2/`` and ``cifar10/``: the finished points of experiments/study.py (``points/<point>/`` with
 config.json, summary.json, metrics.jsonl) and ``study.json`` (its command, start, size, the rows and
-columns it runs, a note on what is missing); ``spread/``: the points of the study's ``spread`` (more
-partitions of a few cells; data seed 0 is table2's point) and its study.json (also ``data_seeds``);
+columns it runs, a note on what is missing); ``spread*/``: the points of a spread study (``spread``,
+``spread_fedfed``: more partitions of a few cells; data seed 0 is table2's point) and its study.json (also
+``data_seeds``, and ``pair``: the two rows whose difference per partition it reports);
 ``paper_table2.json`` (the paper's Table 2); ``*_earlier.json`` (one column's runs from before the
 study, ``cifar10_earlier.json`` and ``mnist_a0.1_earlier.json``: marked ``*`` until the study's own
 points replace them); ``ablation.json``, ``distillation.json``, ``costs.json``, ``cpu_vs_torch.json``,
@@ -139,7 +140,9 @@ def load(results: str = RESULTS) -> dict:
             res["cells"][(run["row"], source["column"])] = {"value": run["value"], "std": None, "earlier": True}
             if "curve" in run:
                 res["curves"][(run["row"], source["column"])] = {int(r): v for r, v in run["curve"].items()}
-    res["spread"] = load_spread(os.path.join(results, "spread"), os.path.join(results, "table2"))
+    res["spreads"] = {name: load_spread(os.path.join(results, name), os.path.join(results, "table2"))
+                      for name in sorted(os.listdir(results))
+                      if name.startswith("spread") and os.path.exists(os.path.join(results, name, "study.json"))}
     for study in ("table2", "cifar10"):
         res["cells"].update(res[study]["cells"])
         res["curves"].update(res[study]["curves"])
@@ -327,10 +330,16 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def section_spread(res: dict) -> list[str]:
-    """The spread study's rows (pFedKDH λ = 0: Fair and EA) on its cells, one value per data seed, their mean
-    ± std next to the paper's, and pFedKDH − FedPer per partition."""
-    sp, m = res["spread"], res["spread"]["meta"]
+    """Every spread study, one section each (:func:`spread_section`)."""
+    return [line for i, sp in enumerate(res["spreads"].values()) for line in ([""] if i else []) + spread_section(res, sp)]
+
+
+def spread_section(res: dict, sp: dict) -> list[str]:
+    """One spread study's rows (pFedKDH: Fair and EA) on its cells, one value per data seed, their mean ± std
+    next to the paper's, and the difference of its ``pair`` of rows per partition."""
+    m = sp["meta"]
     rows, diffs = [], []
+    first, second = m["pair"]
     for col in m["columns"]:
         for row in [r for base in m["rows"] for r in ([base, base + "-ea"] if base.startswith("pfedkdh") else [base])]:
             v = sp["values"].get((row, col), {})
@@ -342,18 +351,19 @@ def section_spread(res: dict) -> list[str]:
             else:
                 ours, gap = "–", "–"
             rows.append([_label(row), col_name(col), seeds, ours, f"{ref[0]:.2f} ± {ref[1]:.2f}", gap])
-        a, b = sp["values"].get(("pfedkdh-lam0.0", col), {}), sp["values"].get(("fedper", col), {})
+        a, b = sp["values"].get((first, col), {}), sp["values"].get((second, col), {})
         both = [k for k in m["data_seeds"] if k in a and k in b]
         if both:
-            theirs = paper(res, "pfedkdh-lam0.0", col)[0] - paper(res, "fedper", col)[0]
+            theirs = paper(res, first, col)[0] - paper(res, second, col)[0]
             diffs.append(f"{col_name(col)} " + ", ".join(f"{a[k] - b[k]:+.2f}" for k in both)
                          + f" (the paper's {theirs:+.2f})")
-    return [f"## Over {len(m['data_seeds'])} partitions: {', '.join(map(col_name, m['columns']))}",
-            f"Final round (50), %; data seed 0 is Table 2's point, 1 and 2 the study {_study(sp)}; seed 0; mean ± "
-            "std over the partitions, gap = (our mean − paper) / paper std.", "",
+    return [f"## Over {len(m['data_seeds'])} partitions: {' and '.join(_label(r) for r in m['rows'])} on "
+            f"{', '.join(map(col_name, m['columns']))}",
+            f"Final round (50), %; data seed 0 is Table 2's point, the others the study {_study(sp)}; seed 0; "
+            "mean ± std over the partitions, gap = (our mean − paper) / paper std.", "",
             *_table(["row", "cell", "data seed " + " / ".join(map(str, m["data_seeds"])), "ours, mean ± std",
                      "paper", "gap"], rows), "",
-            "pFedKDH-Fair (λ = 0) − FedPer on the same partition: "
+            f"{_label(first)} − {_label(second)} on the same partition: "
             + ("; ".join(diffs) or "no pair finished yet") + "."]
 
 

@@ -1,13 +1,14 @@
 """The paper's tables as one resumable study, run in the background across sessions (issue 24).
 
-Three sweeps (``pfedkdh sweep``, paper preset, seed 0; data seed 0 but in ``spread``):
+Four sweeps (``pfedkdh sweep``, paper preset, seed 0; data seed 0 but in the spreads):
 
 * ``table2``: MNIST and Fashion-MNIST × α ∈ {0.05, 0.1, 0.5} × the twelve methods, pFedKDH twice
   (λ = 0, the package default, and λ = 0.5, the paper's form) — the paper's Table 2;
 * ``cifar10``: CIFAR-10 α = 0.05, the methods not run there before (Table 3's column; pFedKDH λ = 0
   and 0.5, FedPer, FedBABU and FedAvg were run on 2026-12-02: experiments/results/cifar10_earlier.json);
 * ``spread``: pFedKDH (λ = 0) and FedPer on Fashion-MNIST α ∈ {0.05, 0.5} with data seeds 1 and 2 (seed
-  0), so that those cells' gaps to the paper are read over three partitions, not one.
+  0), so that those cells' gaps to the paper are read over three partitions, not one;
+* ``spread_fedfed``: FedFed and FedAvg on MNIST α = 0.05 with data seeds 1 and 2, likewise.
 
 Points run method by method over every cell, cheapest methods first (``--order methods``), so whole
 rows fill first; every point checkpoints every 5 rounds. Clients are scored every 5 rounds and at the
@@ -55,6 +56,9 @@ STUDIES = {
     # the same partitions; table2's points are data seed 0
     "spread": dict(datasets="fashion_mnist", alphas="0.05,0.5", methods="pfedkdh,fedper",
                    grid=["lam=0", "data_seed=1,2"]),
+    # the same for FedFed's MNIST α = 0.05 cell (14σ below the paper's on data seed 0), with FedAvg, whose
+    # rounds phase B's are
+    "spread_fedfed": dict(datasets="mnist", alphas="0.05", methods="fedavg,fedfed", grid=["data_seed=1,2"]),
 }
 KEPT = ("config.json", "summary.json", "metrics.jsonl")
 

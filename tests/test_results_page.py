@@ -135,6 +135,8 @@ def test_study_json_names_the_studies_points():
         assert meta["rows"] == rows and meta["columns"] == cols
         assert meta["points"] == len(rows) * len(cols) * max(1, len(seeds))
         assert meta.get("data_seeds", [0]) == ([0] + seeds if seeds else [0])
+        if seeds:   # a spread study reports one row's difference to another's
+            assert len(meta["pair"]) == 2 and set(meta["pair"]) <= set(rows)
 
 
 def test_readings(results):
@@ -175,11 +177,21 @@ def test_spread_over_partitions(results):
                {acc: per}, data_seed=seed)
     _point(results, "spread", "fashion_mnist-a0.5-fedper-data_seed1", "fedper", "fashion_mnist", 0.5, {acc: 0.9},
            data_seed=1, status="running")
+    # a second spread study: its own section, its own pair of rows
+    _point(results, "table2", "mnist-a0.05-fedfed", "fedfed", "mnist", 0.05, {"global_macro_accuracy": 0.94})
+    _point(results, "spread_fedfed", "mnist-a0.05-fedfed-data_seed1", "fedfed", "mnist", 0.05,
+           {"global_macro_accuracy": 0.96}, data_seed=1)
+    _point(results, "spread_fedfed", "mnist-a0.05-fedavg-data_seed1", "fedavg", "mnist", 0.05,
+           {"global_macro_accuracy": 0.93}, data_seed=1)
     res = rp.load(results)
-    assert res["spread"]["points"] == 4
-    assert res["spread"]["values"][("pfedkdh-lam0.0", col)] == pytest.approx({0: 97.0, 1: 95.0, 2: 96.0})
-    assert ("fedper", "fashion_mnist/0.5") not in res["spread"]["values"]
+    spread = res["spreads"]["spread"]
+    assert spread["points"] == 4 and res["spreads"]["spread_fedfed"]["points"] == 2
+    assert spread["values"][("pfedkdh-lam0.0", col)] == pytest.approx({0: 97.0, 1: 95.0, 2: 96.0})
+    assert ("fedper", "fashion_mnist/0.5") not in spread["values"]
     text = "\n".join(rp.section_spread(res))
+    assert "| FedFed (global) | MNIST α = 0.05 | 94.00 / 96.00 / – | – |" in text
+    # FedFed − FedAvg on data seed 1 only (seed 0's FedAvg point is not in this fixture); the paper's 98.19 − 93.23
+    assert "FedFed (global) − FedAvg (global) on the same partition: MNIST α = 0.05 +3.00 (the paper's +4.96)." in text
     # mean 96.00 ± 1.00 against the paper's 97.31 ± 0.11: (96 − 97.31) / 0.11 = −11.9σ
     assert ("| pFedKDH-Fair λ = 0 (default) | F-MNIST α = 0.05 | 97.00 / 95.00 / 96.00 | 96.00 ± 1.00 | 97.31 ± 0.11 "
             "| -11.9σ |") in text
