@@ -5,12 +5,13 @@ sensitive features ``x − x_r + N(0, σ²)`` (σ = 0.15 and 0.25, in [0, 1] pix
 How much that helps depends on how much of an image's class survives in the features. This script
 reports, for the run's partition:
 
-* the inputs f sees: the clients' own images (normalised to [−1, 1]) and the pool's features, their
-  mean, spread and background (the top-left 3×3 corner);
+* the inputs f sees: the clients' own images (normalised to [−1, 1]) and the pool's features (in the
+  run's ``feature_range``), their mean, spread and background (the top-left 3×3 corner);
 * the spread of the noise-free features ``x − x_r`` (the global VAE, eval mode) against the images';
 * the global f of the checkpoint on the clients' test images and on the pool;
 * a fresh CNN (the run's model, SGD at the run's lr, batch 64) trained ``--epochs`` on the pool alone,
-  on the same features mapped into the images' range (``2s − 1``), and on the noise-free features,
+  on the same features in the other range (``2s − 1`` of a default run's pool, the features on [0, 1]
+  pixels of a ``feature_range=images`` run's), and on the noise-free features (on [0, 1] pixels),
   each scored on the clients' test images: how far the pool's knowledge transfers to real images.
 
     python experiments/fedfed_pool.py RUN_DIR [--epochs 1] [--write runs/fedfed_pool.json]
@@ -107,9 +108,11 @@ def main() -> None:
             out.append(accuracy(params, x_test, y_test))
         return out
 
+    images_range = algo.config.feature_range == "images"   # the pool holds 2s − 1 (the default: s)
+    other = (pool_x + 1) / 2 if images_range else 2 * pool_x - 1
     t0 = time.time()
     report = {
-        "run_dir": args.run_dir, "round": rnd, "epochs": args.epochs,
+        "run_dir": args.run_dir, "round": rnd, "epochs": args.epochs, "feature_range": algo.config.feature_range,
         "own_images": spread(x_train), "pool_features": spread(pool_x),
         "clean_features_unit": spread(clean), "images_unit_std": round(float(((x_train + 1) / 2).std()), 4),
         "noise_std": list(algo.config.noise_std),
@@ -117,7 +120,7 @@ def main() -> None:
                      "pool": accuracy(state.params, pool_x, pool_y)},
         "fresh_cnn_test_accuracy": {
             "pool": fresh_cnn(pool_x, pool_y),
-            "pool_as_2s-1": fresh_cnn(2 * pool_x - 1, pool_y),
+            "pool_in_the_other_range": fresh_cnn(other, pool_y),
             "clean_features": fresh_cnn(clean, y_train),
             "own_images": fresh_cnn(x_train, y_train),
         },

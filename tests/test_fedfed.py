@@ -139,6 +139,28 @@ def test_pool_holds_two_noisy_copies_of_every_train_sample(tiny, phases_run):
     assert np.all(np.isfinite(x)) and not np.allclose(x[:s][valid[:s]], x[s:][valid[s:]])  # two different copies
 
 
+def test_feature_range_images_maps_the_features_as_the_images(tiny, phases_run):
+    """``feature_range="images"``: the pool (and f's input in the joint pass) is 2s − 1 of the default's."""
+    import dataclasses
+    _, _, data = tiny
+    algo, _, states, _ = phases_run
+    mapped = dataclasses.replace(algo, config=dataclasses.replace(CFG, feature_range="images"))
+    key = jax.random.key(5)
+    pixels, images = (jax.jit(a.build_pool)(states[2], data, key) for a in (algo, mapped))
+    valid = np.asarray(pixels.pool_valid)
+    np.testing.assert_allclose(np.asarray(images.pool_x, np.float32)[valid],
+                               2 * np.asarray(pixels.pool_x, np.float32)[valid] - 1, atol=2e-3)   # float16
+    s = jnp.linspace(0.0, 1.0, 5)
+    np.testing.assert_allclose(np.asarray(mapped.as_f_input(s)), 2 * np.asarray(s) - 1)
+    np.testing.assert_array_equal(np.asarray(algo.as_f_input(s)), np.asarray(s))
+    # the joint pass feeds f the mapped features: same batch and keys, another loss
+    x, y = gather_inputs(data, data.train_idx[1][:8])
+    st = states[1]
+    losses = [float(jax.jit(a._joint)(st.params, st.vae["params"], st.vae["batch_stats"], x, y, jnp.ones(8),
+                                      jax.random.key(6))[0]) for a in (algo, mapped)]
+    assert losses[0] != losses[1]
+
+
 def test_a_client_trains_only_on_its_own_train_samples_and_pool_samples(tiny, phases_run):
     _, part, data = tiny
     algo, _, states, _ = phases_run

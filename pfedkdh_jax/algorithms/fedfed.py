@@ -27,14 +27,17 @@ method): with 50 rounds, 15 of feature distillation and 35 of FedAvg on the enla
 On the engine: a client's batch is drawn by index from its own row *and* from the pool (the batch
 gather reads the pool from the round's context), with masks, so each phase is one compiled program
 and clients stay vmappable. Pixels: the VAE works on [0, 1] pixels; f sees a client's own images
-normalised to [−1, 1] (method.md §2) and the pool's features as they were generated (x − x_r plus
-noise), normalised once, never again. A known defect of a public implementation — adding a client's
+normalised to [−1, 1] (method.md §2) and the sensitive features (in phase A's joint pass and in the
+pool) by default as they were generated, x − x_r plus noise on [0, 1] pixels, never normalised again;
+``feature_range="images"`` maps them as the images are (2s − 1), so that both inputs of f share one
+range as in the authors' code, where images and features both stay on [0, 1]. A known defect of a public implementation — adding a client's
 index arrays element-wise instead of joining them, so it trained on arbitrary samples, test splits
 included — is not reproduced: a client's row is its own train samples followed by its pool draws
 (tested: nothing else is ever gathered).
 
 Hyperparameters (``--method-arg``; method.md §5.2, the paper's code): ``feature_rounds`` = 15;
-``vae_width`` = 32 (the VAE's channels; the tests use a narrower one to stay quick); the noise levels, loss weights and VAE optimizer are constants of :class:`FedFedConfig`.
+``vae_width`` = 32 (the VAE's channels; the tests use a narrower one to stay quick); ``feature_range`` =
+pixels (above); the noise levels, loss weights and VAE optimizer are constants of :class:`FedFedConfig`.
 Memory: the pool holds 2·N images (float16) in the state, the clients' VAE optimizer states
 2·K copies of the VAE (≈ 13× the CNN's parameters) — about 1.2 GB for MNIST, K = 20.
 (Over 300 lines: phase A's three passes, the pool's generation and phase B are one method.)
@@ -176,6 +179,10 @@ class FedFed(_FedFedBase):
             mutable=["batch_stats"])
         return x_r, mean, logvar, new["batch_stats"]
 
+    def as_f_input(self, s: jax.Array) -> jax.Array:
+        """Sensitive features (on [0, 1] pixels) in the range f sees them in (``feature_range``)."""
+        return 2.0 * s - 1.0 if self.config.feature_range == "images" else s
+
     def recon_terms(self, x_r, x01, mean, logvar, mask):
         c = self.config
         return c.recon_weight * reconstruction(x_r, x01, mask) + c.kl_weight * kl_term(mean, logvar, mask)
@@ -191,7 +198,7 @@ class FedFed(_FedFedBase):
         x_r, mean, logvar, bs = self._vae_apply(vae_params, batch_stats, x01, jax.random.fold_in(rng, 1),
                                                 mask, x.shape[-1])
         s1, s2 = noisy_copies(x01 - x_r, jax.random.fold_in(rng, 2), c.noise_std)
-        logits = C.logits(self.model, f, jnp.concatenate([s1, s2]), rng=jax.random.fold_in(rng, 3))
+        logits = C.logits(self.model, f, self.as_f_input(jnp.concatenate([s1, s2])), rng=jax.random.fold_in(rng, 3))
         two = jnp.concatenate([mask, mask])
         sensitive = losses.masked_mean(losses.cross_entropy(logits, jnp.concatenate([y, y])), two)
         plain = losses.masked_mean(losses.cross_entropy(C.logits(self.model, f, x, rng=jax.random.fold_in(rng, 4)), y), mask)
@@ -254,7 +261,7 @@ class FedFed(_FedFedBase):
 
     # ------------------------------------------------------------------------------ generation
     def sensitive_features(self, vae: PyTree, data: FederatedData, idx: jax.Array, key: jax.Array):
-        """s1, s2 of the pool samples ``idx`` with the VAE in eval mode (z = its mean)."""
+        """s1, s2 of the pool samples ``idx`` with the VAE in eval mode (z = its mean), on [0, 1] pixels."""
         x01 = to_unit(gather_inputs(data, idx)[0])
         x_r, _, _ = VAE(x01.shape[-1], self.config.vae_width).apply(vae, x01)
         return noisy_copies(x01 - x_r, key, self.config.noise_std)
@@ -268,7 +275,7 @@ class FedFed(_FedFedBase):
         def one(args):
             g, idx = args
             return self.sensitive_features(state.vae, data, idx, jax.random.fold_in(key, g))
-        s1, s2 = jax.lax.map(one, (jnp.arange(chunks.shape[0]), chunks))
+        s1, s2 = (self.as_f_input(s) for s in jax.lax.map(one, (jnp.arange(chunks.shape[0]), chunks)))
         shape = (-1,) + tuple(data.input_shape)
         valid = data.train_flat_client < data.num_clients
         labels = data.labels[data.train_flat]
