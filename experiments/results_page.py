@@ -331,11 +331,14 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 def section_spread(res: dict) -> list[str]:
     """Every spread study, one section each (:func:`spread_section`)."""
-    return [line for i, sp in enumerate(res["spreads"].values()) for line in ([""] if i else []) + spread_section(res, sp)]
+    lines: list[str] = []
+    for sp in res["spreads"].values():
+        lines += ([""] if lines else []) + spread_section(res, sp)
+    return lines
 
 
 def spread_section(res: dict, sp: dict) -> list[str]:
-    """One spread study's rows (pFedKDH: Fair and EA) on its cells, one value per data seed, their mean ± std
+    """One spread study's rows (a pFedKDH row as Fair and EA) on its cells, one value per data seed, their mean ± std
     next to the paper's, and the difference of its ``pair`` of rows per partition."""
     m = sp["meta"]
     rows, diffs = [], []
