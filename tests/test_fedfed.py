@@ -140,11 +140,13 @@ def test_pool_holds_two_noisy_copies_of_every_train_sample(tiny, phases_run):
 
 
 def test_feature_range_images_maps_the_features_as_the_images(tiny, phases_run):
-    """``feature_range="images"``: the pool (and f's input in the joint pass) is 2s − 1 of the default's."""
+    """``feature_range="images"`` (the default): the pool (and f's input in the joint pass) is 2s − 1 of
+    ``"pixels"``'s."""
     import dataclasses
     _, _, data = tiny
-    algo, _, states, _ = phases_run
-    mapped = dataclasses.replace(algo, config=dataclasses.replace(CFG, feature_range="images"))
+    mapped, _, states, _ = phases_run
+    assert mapped.config.feature_range == "images"
+    algo = dataclasses.replace(mapped, config=dataclasses.replace(CFG, feature_range="pixels"))
     key = jax.random.key(5)
     pixels, images = (jax.jit(a.build_pool)(states[2], data, key) for a in (algo, mapped))
     valid = np.asarray(pixels.pool_valid)

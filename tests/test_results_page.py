@@ -96,7 +96,7 @@ def test_cells_gaps_and_missing(results):
     assert gaps == {(r, c) for r, _, _ in rp.ROWS for c in rp.COLUMNS} - filled - earlier
     page = rp.section(res)
     assert f"**Missing ({len(gaps)} of {len(rp.ROWS) * len(rp.COLUMNS)} cells):**" in page
-    assert ("FedProx (global), Ditto, FedALA, FedProto, FedRep, FedFed (global), pFedMe, pFedSim: MNIST α = 0.05, "
+    assert ("FedProx (global), Ditto, FedALA, FedProto, FedRep, pFedMe, pFedSim: MNIST α = 0.05, "
             "MNIST α = 0.5, F-MNIST α = 0.05, F-MNIST α = 0.1, F-MNIST α = 0.5, CIFAR-10 α = 0.05") in page
     os.remove(os.path.join(results, "mnist_a0.1_earlier.json"))   # without that column's earlier runs
     page = rp.section(rp.load(results))

@@ -227,12 +227,12 @@ class FedFedConfig(LocalConfig):
     vae_lr: float = option(1e-3, "the VAE's AdamW learning rate", positive, "> 0", cli=False)
     vae_weight_decay: float = option(1e-6, "the VAE's AdamW weight decay", non_negative, ">= 0", cli=False)
     noise_std: tuple = option((0.15, 0.25), "the two noisy copies of x_s", cli=False)
-    feature_range: str = option("pixels", "the range f sees the sensitive features in (phase A's joint pass, "
-                                "the pool): pixels, as generated (x − x_r + noise on [0, 1] pixels, while a "
-                                "client's own images are on [−1, 1]); images, mapped as the images are "
-                                "(2s − 1), so that both share one range, as in the authors' code (where "
-                                "the images stay on [0, 1])", lambda v: v in ("pixels", "images"),
-                                "pixels or images")
+    feature_range: str = option("images", "the range f sees the sensitive features in (phase A's joint pass, "
+                                "the pool): images, mapped as the images are (2s − 1), so that both inputs "
+                                "of f share one range, as in the authors' code (where both stay on [0, 1]); "
+                                "pixels, as generated (x − x_r + noise on [0, 1] pixels, while a client's "
+                                "own images are on [−1, 1]: the default before 2026-12-06)",
+                                lambda v: v in ("pixels", "images"), "pixels or images")
     mixup_alpha: float = option(2.0, "mixup's λ ~ Beta(α, α)", positive, "> 0", cli=False)
     recon_weight: float = option(5.0, "reconstruction loss weight", non_negative, ">= 0", cli=False)
     kl_weight: float = option(0.005, "the VAE's KL weight", non_negative, ">= 0", cli=False)

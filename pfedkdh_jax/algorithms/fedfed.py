@@ -28,16 +28,17 @@ On the engine: a client's batch is drawn by index from its own row *and* from th
 gather reads the pool from the round's context), with masks, so each phase is one compiled program
 and clients stay vmappable. Pixels: the VAE works on [0, 1] pixels; f sees a client's own images
 normalised to [−1, 1] (method.md §2) and the sensitive features (in phase A's joint pass and in the
-pool) by default as they were generated, x − x_r plus noise on [0, 1] pixels, never normalised again;
-``feature_range="images"`` maps them as the images are (2s − 1), so that both inputs of f share one
-range as in the authors' code, where images and features both stay on [0, 1]. A known defect of a public implementation — adding a client's
+pool), x − x_r plus noise on [0, 1] pixels, mapped once as the images are (2s − 1, never again), so
+that both inputs of f share one range, as in the authors' code, where images and features both stay on
+[0, 1] (``feature_range="images"``; ``"pixels"`` gives f the features as generated, the default before
+2026-12-06: on MNIST α = 0.05 it scored lower on a validation split, BENCHMARKS.md). A known defect of a public implementation — adding a client's
 index arrays element-wise instead of joining them, so it trained on arbitrary samples, test splits
 included — is not reproduced: a client's row is its own train samples followed by its pool draws
 (tested: nothing else is ever gathered).
 
 Hyperparameters (``--method-arg``; method.md §5.2, the paper's code): ``feature_rounds`` = 15;
 ``vae_width`` = 32 (the VAE's channels; the tests use a narrower one to stay quick); ``feature_range`` =
-pixels (above); the noise levels, loss weights and VAE optimizer are constants of :class:`FedFedConfig`.
+images (above); the noise levels, loss weights and VAE optimizer are constants of :class:`FedFedConfig`.
 Memory: the pool holds 2·N images (float16) in the state, the clients' VAE optimizer states
 2·K copies of the VAE (≈ 13× the CNN's parameters) — about 1.2 GB for MNIST, K = 20.
 (Over 300 lines: phase A's three passes, the pool's generation and phase B are one method.)
