@@ -31,10 +31,10 @@ normalised to [−1, 1] (method.md §2) and the sensitive features (in phase A's
 pool), x − x_r plus noise on [0, 1] pixels, mapped once as the images are (2s − 1, never again), so
 that both inputs of f share one range, as in the authors' code, where images and features both stay on
 [0, 1] (``feature_range="images"``; ``"pixels"`` gives f the features as generated, the default before
-2026-12-06: on MNIST α = 0.05 it scored lower on a validation split, BENCHMARKS.md). A known defect of a public implementation — adding a client's
-index arrays element-wise instead of joining them, so it trained on arbitrary samples, test splits
-included — is not reproduced: a client's row is its own train samples followed by its pool draws
-(tested: nothing else is ever gathered).
+2026-12-06: on MNIST α = 0.05 it scored lower on a validation split, BENCHMARKS.md). A known defect of a
+public implementation — adding a client's index arrays element-wise instead of joining them, so it
+trained on arbitrary samples, test splits included — is not reproduced: a client's row is its own train
+samples followed by its pool draws (tested: nothing else is ever gathered).
 
 Hyperparameters (``--method-arg``; method.md §5.2, the paper's code): ``feature_rounds`` = 15;
 ``vae_width`` = 32 (the VAE's channels; the tests use a narrower one to stay quick); ``feature_range`` =
@@ -73,7 +73,7 @@ class FedFedState:
     params: PyTree          # the global classifier f {"backbone", "head"}
     vae: PyTree             # the global VAE {"params", "batch_stats"}
     vae_opt: PyTree         # every client's AdamW state of its VAE, [K, ...] (never leaves the client)
-    pool_x: jax.Array       # float16 [2S, H, W, C]: the shared pool (s1 of the flat train list, then s2)
+    pool_x: jax.Array       # float16 [2S, H, W, C]: the shared pool (s1 of the flat train list, then s2), in f's range
     pool_y: jax.Array       # int32 [2S]
     pool_valid: jax.Array   # bool [2S] (False for the padding of the flat train list, and before phase B)
     round: jax.Array        # int32 [], rounds completed
