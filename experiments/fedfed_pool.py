@@ -9,7 +9,7 @@ reports, for the run's partition:
   run's ``feature_range``), their mean, spread and background (the top-left 3×3 corner);
 * the spread of the noise-free features ``x − x_r`` (the global VAE, eval mode) against the images';
 * the global f of the checkpoint on the clients' test images and on the pool;
-* a fresh CNN (the run's model, SGD at the run's lr, batch 64) trained ``--epochs`` on the pool alone,
+* a fresh CNN (the run's model and client optimizer, batch 64) trained ``--epochs`` on the pool alone,
   on the same features in the other range (``2s − 1`` of a default run's pool, the features on [0, 1]
   pixels of a ``feature_range=images`` run's), and on the noise-free features (on [0, 1] pixels),
   each scored on the clients' test images: how far the pool's knowledge transfers to real images.
@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pfedkdh_jax import from_arrays, losses
+from pfedkdh_jax import from_arrays
+from pfedkdh_jax.algorithms import common as C
 from pfedkdh_jax.data.device import gather_inputs
 from pfedkdh_jax.engine.protocol import logits
 from pfedkdh_jax.run.checkpoint import Checkpoints, fingerprint
@@ -74,8 +75,8 @@ def main() -> None:
     train_idx = jnp.asarray(np.concatenate([np.asarray(t) for t in part.train_idx]))
     x_train, y_train = (np.asarray(a) for a in gather_inputs(data, train_idx))
     quiet = dataclasses.replace(algo, config=dataclasses.replace(algo.config, noise_std=(0.0, 0.0)))
-    clean = np.concatenate([np.asarray(quiet.sensitive_features(state.vae, data, train_idx[i:i + 2048],
-                                                                jax.random.key(0))[0])
+    features = jax.jit(quiet.sensitive_features)
+    clean = np.concatenate([np.asarray(features(state.vae, data, train_idx[i:i + 2048], jax.random.key(0))[0])
                             for i in range(0, len(train_idx), 2048)])
 
     predict = jax.jit(lambda p, x: jnp.argmax(logits(model, p, x), -1))
@@ -84,13 +85,12 @@ def main() -> None:
         pred = np.concatenate([np.asarray(predict(params, jnp.asarray(x[i:i + 2048]))) for i in range(0, len(x), 2048)])
         return round(float((pred == y).mean()), 4)
 
-    tx = optax.sgd(cfg.lr)
+    tx = C.client_tx(algo.config)   # the run's optimizer at its lr (the paper preset: plain SGD)
+    loss = C.cross_entropy_loss(model)
 
     @jax.jit
     def step(params, opt, x, y, key):
-        def loss(p):
-            return losses.cross_entropy(logits(model, p, x, rng=key), y).mean()
-        g = jax.grad(loss)(params)
+        g = jax.grad(loss)(params, None, x, y, jnp.ones(y.shape), key)
         u, opt = tx.update(g, opt, params)
         return optax.apply_updates(params, u), opt
 
