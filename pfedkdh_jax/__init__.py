@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.3.0"   # the one version number (pyproject.toml reads it)
+__version__ = "0.3.0"   # the one version number (pyproject.toml reads it; CITATION.cff repeats it, tested)
 
 _METHODS = {"PFedKDH": "pfedkdh", "FedAvg": "fedavg", "FedProx": "fedprox", "FedPer": "fedper", "FedRep": "fedrep",
             "FedBABU": "fedbabu", "Ditto": "ditto", "PFedMe": "pfedme", "FedProto": "fedproto", "FedALA": "fedala",

@@ -189,6 +189,9 @@ def test_the_engine_imports_no_method_and_one_version():
     engine = pathlib.Path(p.__file__).parent / "engine"
     assert not [f.name for f in engine.glob("*.py") if "algorithms" in f.read_text()]
     assert p.__version__ == importlib.metadata.version("pfedkdh_jax")
+    root = pathlib.Path(p.__file__).parent.parent
+    assert f"version: {p.__version__}\n" in (root / "CITATION.cff").read_text()
+    assert "Apache License" in (root / "LICENSE").read_text()
 
 
 def test_the_run_config_takes_pfedkdh_options_and_defaults_from_its_config():
