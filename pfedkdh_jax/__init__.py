@@ -35,11 +35,11 @@ _EXPORTS = {
     **{cls: f"algorithms.{mod}" for cls, mod in _METHODS.items()},
     **{f"{cls}Config": "algorithms.configs" for cls in _METHODS},
     "LocalConfig": "algorithms.configs", "OptionError": "algorithms.configs", "PFedKDHState": "algorithms.pfedkdh",
-    "METHODS": "algorithms", "build_algorithm": ("algorithms", "build"),
+    "METHODS": "algorithms", "make_method": "algorithms", "build_algorithm": ("algorithms", "build"),
     # engine
     "Layout": "engine.layout", "Workload": "engine.layout", "LocalTrainer": "engine.local", "LocalState": "engine.local",
     "make_round": "engine.round", "make_evaluate": "engine.evaluate", "select_clients": "engine.round",
-    "RoundRunner": "engine.runner", "sample_schedule": "engine.runner",
+    "RoundRunner": "engine.runner", "PhasedRunner": "engine.runner", "sample_schedule": "engine.runner",
     # runs
     "RunConfig": "run.config", "ConfigError": "run.config", "make_config": "run.config",
     "run": ("run.experiment", "run"),

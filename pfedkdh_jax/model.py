@@ -361,6 +361,12 @@ class CNN:
 
     def init(self, key: jax.Array, input_shape: tuple[int, ...]) -> Params:
         """Return ``{"backbone": θ, "head": φ}`` for inputs of shape ``input_shape`` (H, W, C)."""
+        shape = tuple(input_shape)
+        # two 5×5 VALID convolutions, each followed by a 2×2 pool, leave (H − 4) // 2 − 4 ≥ 2 before the second pool
+        if len(shape) != 3 or min(shape[:2]) < 16:
+            raise ValueError(f"CNN.init: the paper's CNN takes images (H, W, C) of at least 16×16 (two 5×5 VALID "
+                             f"convolutions and two 2×2 pools); got input_shape {shape}: use a model of your own "
+                             "for other inputs (pfedkdh_jax.LinenModel)")
         kb, kh = jax.random.split(key)
         x = jnp.zeros((1,) + tuple(input_shape), jnp.float32)
         backbone = self.backbone.init(kb, x)["params"]

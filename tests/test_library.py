@@ -47,6 +47,7 @@ def test_every_method_by_name_trains_a_users_128d_model(digits, name):
     config = getattr(p, name + "Config")(local_epochs=1, batch_size=32, **SMALL.get(name, {}))
     algo = getattr(p, name)(small_model(), config)
     state = algo.init(jax.random.key(0), digits)
+    algo = algo.phases[0].algorithm      # a method of several phases (FedFed) has a round per phase
     round_fn = jax.jit(p.make_round(algo, p.Layout("vmap", "scan")))
     new, metrics = round_fn(state, digits, jnp.array([0, 2], jnp.int32), jax.random.key(1))
     assert np.isfinite(float(metrics["train_loss"]))
@@ -87,6 +88,72 @@ def test_configs_check_their_fields_in_python_terms():
     with pytest.raises(ValueError, match=r"PFedKDHConfig.kd_gate must be one of"):
         p.PFedKDHConfig(kd_gate="sometimes")
     assert p.FedProxConfig(mu=0.1).mu == 0.1 and p.FedBABUConfig().finetune_epochs == 5
+    # the kind of each field too (a float where an int sets shapes would fail deep inside a trace)
+    with pytest.raises(p.OptionError, match=r"FedAvgConfig.local_epochs must be an int; got 1.5"):
+        p.FedAvgConfig(local_epochs=1.5)
+    with pytest.raises(p.OptionError, match=r"FedAvgConfig.lr must be a number; got '0.1'"):
+        p.FedAvgConfig(lr="0.1")
+    with pytest.raises(p.OptionError, match=r"PFedKDHConfig.persistent_heads must be True or False; got 1"):
+        p.PFedKDHConfig(persistent_heads=1)
+    assert p.FedAvgConfig(lr=1, batch_size=np.int64(8)).batch_size == 8 and p.PFedSimConfig(warmup=3).warmup == 3
+    with pytest.raises(ValueError, match=r"PFedKDHConfig has no field 'learning_rate'; traceable fields: lr"):
+        p.PFedKDH(small_model()).with_hparams({"learning_rate": 0.1})
+    # every method by its registered name, over a model of one's own
+    prox = p.make_method("fedprox", small_model(), mu=0.1)
+    assert type(prox) is p.FedProx and prox.config == p.FedProxConfig(mu=0.1)
+    with pytest.raises(ValueError, match=r"FedProxConfig has no field 'lam'"):
+        p.make_method("fedprox", small_model(), lam=0.5)
+    with pytest.raises(ValueError, match=r"no method 'fedsgd'; registered: pfedkdh, fedavg"):
+        p.make_method("fedsgd", small_model())
+    with pytest.raises(ValueError, match=r"at least 16×16.*\(8, 8, 1\)"):
+        p.CNN(10).init(jax.random.key(0), (8, 8, 1))
+
+
+def test_a_rounds_clients_are_checked_and_a_failed_round_leaves_the_runner_usable(digits, monkeypatch):
+    algo = p.FedPer(small_model(), p.FedPerConfig(local_epochs=1, batch_size=32))
+    state = algo.init(jax.random.key(0), digits)
+    key = jax.random.key(1)
+    pure = p.make_round(algo, p.Layout("vmap", "scan"))
+    with pytest.raises(ValueError, match=r"selected: client 9 is out of range for 4 clients \(0 to 3\)"):
+        pure(state, digits, [0, 9], key)
+    with pytest.raises(ValueError, match=r"selected must be integer client indices \[C\]; got float32"):
+        jax.jit(pure)(state, digits, jnp.array([0.0, 1.0]), key)
+    runner = p.RoundRunner(algo, digits, p.Layout("sequential", "unrolled", chunk_steps=2))
+    with pytest.raises(ValueError, match=r"selected holds client 2 twice"):
+        runner.round(state, digits, [2, 2], key)
+    want, _ = runner.round(state, digits, [0, 1], key)
+    # a round that stops after its first client (an interrupt, say) leaves nothing stale behind
+    put, calls = runner._rows._put, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return put(*args)
+    monkeypatch.setattr(runner._rows, "_put", failing)
+    with pytest.raises(KeyboardInterrupt):
+        runner.round(state, digits, [0, 1], key)
+    monkeypatch.setattr(runner._rows, "_put", put)
+    got, _ = runner.round(state, digits, [0, 1], key)
+    np.testing.assert_array_equal(got.heads["kernel"], want.heads["kernel"])
+
+
+def test_a_fresh_state_may_be_donated_and_phases_are_named(digits):
+    algo = p.PFedKDH(small_model(), p.PFedKDHConfig(local_epochs=1, batch_size=32, teacher_epochs=1))
+    donating = jax.jit(p.make_round(algo, p.Layout("vmap", "scan")), donate_argnums=0)
+    new, _ = donating(algo.init(jax.random.key(0), digits), digits, jnp.array([0, 1]), jax.random.key(1))
+    assert new.round == 1
+    fedfed = p.FedFed(small_model(), p.FedFedConfig(feature_rounds=1, vae_width=8))
+    with pytest.raises(ValueError, match=r"FedFed runs in 2 phases \(FedFedFeatures for 1 rounds, then FedFedAvg "
+                                         r"for the remaining rounds\).*pfedkdh_jax.PhasedRunner"):
+        p.make_round(fedfed)
+    with pytest.raises(ValueError, match=r"RoundRunner\(algo, ...\): FedFed runs in 2 phases"):
+        p.RoundRunner(fedfed, digits)
+    assert p.PhasedRunner(fedfed, digits).starts == [0, 1]
+    flat = p.from_arrays(np.zeros((200, 20), np.float32), np.arange(200) % 4, num_clients=2, alpha=1.0,
+                         aux_size=20, seed=0)
+    with pytest.raises(ValueError, match=r"FedFed: its VAE takes images \(H, W, C\).*shape \(20,\)"):
+        fedfed.init(jax.random.key(0), flat)
 
 
 def test_injected_optimizer_and_a_stackable_learning_rate(digits):

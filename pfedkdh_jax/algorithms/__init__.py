@@ -157,3 +157,21 @@ def build(cfg, num_classes: int):
     """The algorithm object for ``cfg.method`` (imports its module, and JAX, only now)."""
     module = importlib.import_module(METHODS[cfg.method].module)
     return module.from_config(cfg, num_classes, parse_method_args(cfg.method, cfg.method_args, cfg))
+
+
+def make_method(name: str, model, **options):
+    """The method registered as ``name`` (the command line's ``--method``, e.g. ``"fedprox"``) over
+    ``model`` (any :class:`~pfedkdh_jax.engine.protocol.Model`), its config built from ``options`` (the
+    fields of ``<Method>Config``, checked as that class checks them): ``make_method("fedprox", model,
+    mu=0.1)`` is ``FedProx(model, FedProxConfig(mu=0.1))``. An unknown name or field is a
+    ``ValueError`` naming it and what is allowed."""
+    if name not in METHODS:
+        raise ValueError(f"make_method: no method {name!r}; registered: {', '.join(METHODS)}")
+    spec = METHODS[name]
+    fields = {f.name for f in dataclasses.fields(spec.config)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(f"make_method({name!r}): {spec.config.__name__} has no field {unknown[0]!r}; its fields: "
+                         f"{', '.join(sorted(fields))}")
+    cls = getattr(importlib.import_module(spec.module), spec.class_name)
+    return cls(model, spec.config(**options))

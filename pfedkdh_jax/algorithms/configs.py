@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Callable, ClassVar
 
 KD_TARGETS = ("plain", "support", "prior")
@@ -48,6 +49,26 @@ def option(default: Any, help: str, check: Callable[[Any], bool] | None = None, 
 def _is_traced(value) -> bool:
     """A JAX value (a traced scalar of a stacked run): not checked on the host."""
     return type(value).__module__.split(".")[0] in ("jax", "jaxlib")
+
+
+# the annotations a field's value is checked against, and how an error words them
+_KINDS = {"int": (numbers.Integral, "an int"), "float": (numbers.Real, "a number"), "str": (str, "a str")}
+
+
+def _kind_error(annotation: str, value) -> str | None:
+    """What ``value`` should be under a field's ``annotation`` (``int``, ``float | None``, ``bool``, ...),
+    or ``None`` when it is of that kind or the annotation names no kind checked here. A bool is not
+    taken for a number."""
+    parts = [p.strip() for p in str(annotation).split("|")]
+    words = [_KINDS[p][1] if p in _KINDS else "True or False" for p in parts if p in _KINDS or p == "bool"]
+    if not words or (value is None and "None" in parts):
+        return None
+    is_bool = type(value).__name__ in ("bool", "bool_")
+    if is_bool and "bool" in parts:
+        return None
+    if not is_bool and any(isinstance(value, _KINDS[p][0]) for p in parts if p in _KINDS):
+        return None
+    return " or ".join(words + (["None"] if "None" in parts else []))
 
 
 def _optimizer(value) -> bool:
@@ -92,7 +113,12 @@ class LocalConfig:
         name = type(self).__name__
         for f in dataclasses.fields(self):
             check, value = f.metadata.get("check"), getattr(self, f.name)
-            if check is not None and not _is_traced(value) and not check(value):
+            if _is_traced(value):
+                continue
+            kind = _kind_error(f.type, value)
+            if kind is not None and not (check is not None and f.type == "str"):   # a str's check lists its values
+                raise OptionError(name, f.name, kind, value)
+            if check is not None and not check(value):
                 raise OptionError(name, f.name, f.metadata["allowed"], value)
         if _is_traced(self.lr) and self.optimizer is not None and not _is_factory(self.optimizer):
             raise ValueError(f"{name}.lr cannot take a traced value: {name}.optimizer is a GradientTransformation "

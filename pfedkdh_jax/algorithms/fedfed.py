@@ -109,6 +109,10 @@ def _vae_tx(config: FedFedConfig) -> optax.GradientTransformation:
 
 
 def _init_global(model: Model, key: jax.Array, data: FederatedData, config: FedFedConfig) -> FedFedState:
+    shape = tuple(data.input_shape)
+    if len(shape) != 3 or shape[0] % 4 or shape[1] % 4:
+        raise ValueError(f"FedFed: its VAE takes images (H, W, C) whose H and W are multiples of 4 (two stride-2 "
+                         f"convolutions and their mirror); the data's samples have shape {shape}")
     params = C.init_params(model, key, data)
     vae = VAE(data.input_shape[-1], config.vae_width).init(jax.random.fold_in(key, _VAE_STREAM),
                                          jnp.zeros((1,) + tuple(data.input_shape)))
@@ -141,14 +145,9 @@ class _FedFedBase(Algorithm):
 
 
 @dataclasses.dataclass(frozen=True)
-class FedFed(_FedFedBase):
-    """FedFed over any :class:`~pfedkdh_jax.engine.protocol.Model`; as an algorithm it is phase A (feature distillation), and its
-    ``phases`` add phase B (FedAvg on own data plus the shared pool)."""
-
-    @property
-    def phases(self) -> tuple[Phase, ...]:
-        c = self.config
-        return (Phase(self, c.feature_rounds), Phase(FedFedAvg(self.model, c), None, enter=self.build_pool))
+class FedFedFeatures(_FedFedBase):
+    """FedFed's phase A (feature distillation: f and the VAE trained together), a method of one phase;
+    its :meth:`build_pool` enters phase B."""
 
     # ----------------------------------------------------------------------- phase A: local problem
     @property
@@ -282,6 +281,20 @@ class FedFed(_FedFedBase):
         labels = data.labels[data.train_flat]
         return state.replace(pool_x=jnp.concatenate([s1.reshape(shape), s2.reshape(shape)]).astype(jnp.float16),
                              pool_y=jnp.concatenate([labels, labels]), pool_valid=jnp.concatenate([valid, valid]))
+
+
+@dataclasses.dataclass(frozen=True)
+class FedFed(FedFedFeatures):
+    """FedFed over any :class:`~pfedkdh_jax.engine.protocol.Model`: ``feature_rounds`` rounds of phase A
+    (:class:`FedFedFeatures`), then phase B (:class:`FedFedAvg`, FedAvg on own data plus the shared
+    pool, which :meth:`build_pool` makes at its first round). Run it with
+    :class:`~pfedkdh_jax.engine.runner.PhasedRunner`, or a round function per phase."""
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        c = self.config
+        return (Phase(FedFedFeatures(self.model, c), c.feature_rounds),
+                Phase(FedFedAvg(self.model, c), None, enter=self.build_pool))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,8 +112,10 @@ class PFedKDH(Algorithm):
                              "build them with aux_size > 0 (or set PFedKDHConfig.teacher_epochs=0)")
         params = C.init_params(self.model, key, data)
         head = params["head"]
+        # a buffer of its own for each field: a caller may donate the state (jit's donate_argnums)
         return PFedKDHState(backbone=params["backbone"], teacher_head=head,
-                            heads=C.broadcast(head, data.num_clients), init_head=head,
+                            heads=C.broadcast(head, data.num_clients),
+                            init_head=jax.tree_util.tree_map(jnp.copy, head),
                             round=jnp.zeros((), jnp.int32))
 
     def before_training(self, state: PFedKDHState, data: FederatedData, key: jax.Array, train):

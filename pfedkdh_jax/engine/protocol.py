@@ -343,6 +343,9 @@ class Algorithm:
         config = self.config
         allowed = tuple(getattr(type(config), "TRACEABLE", ()))
         for field in values:
+            if field not in {f.name for f in dataclasses.fields(config)}:
+                raise ValueError(f"{type(config).__name__} has no field {field!r}; traceable fields: "
+                                 f"{', '.join(allowed) or 'none'}")
             if field not in allowed:
                 raise ValueError(f"{type(config).__name__}.{field} cannot take a traced value (it may set shapes "
                                  f"or control flow); traceable fields: {', '.join(allowed) or 'none'}")

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate
 from pfedkdh_jax.data.device import FederatedData
@@ -124,6 +125,7 @@ class RoundPieces:
 
     def __call__(self, state, data: FederatedData, selected: jax.Array, key: jax.Array):
         """One round: ``(state, data, selected [C], key) -> (state, metrics)``."""
+        selected = jnp.asarray(checked_selection(selected, data.num_clients))
         pieces = self
         if self.trace_scan and self.layout.step_loop != "scan" and isinstance(selected, jax.core.Tracer):
             pieces = dataclasses.replace(self, layout=dataclasses.replace(self.layout, step_loop="scan"))
@@ -134,8 +136,49 @@ class RoundPieces:
 def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:
     """The round of ``algo`` as a pure function ``(state, data, selected, key) -> (state, metrics)``
     (un-jitted). ``layout`` fields left ``None`` take the default backend's choice; a step loop left
-    ``None`` is a ``lax.scan`` when the round is called inside a trace (a user's ``jit``)."""
+    ``None`` is a ``lax.scan`` when the round is called inside a trace (a user's ``jit``). A method of
+    several phases (FedFed) has a round function per phase (``make_round(phase.algorithm)``)."""
+    check_one_phase(algo, "make_round(algo)")
     return RoundPieces(algo, layout.resolved(), trace_scan=layout.step_loop is None)
+
+
+def check_one_phase(algo: Algorithm, where: str) -> None:
+    """A ``ValueError`` naming ``where`` when ``algo`` runs in several phases (each its own algorithm)."""
+    phases = algo.phases
+    if len(phases) > 1:
+        steps = ", then ".join(f"{type(p.algorithm).__name__} for " +
+                               (f"{p.rounds} rounds" if p.rounds is not None else "the remaining rounds")
+                               for p in phases)
+        raise ValueError(f"{where}: {type(algo).__name__} runs in {len(phases)} phases ({steps}): make a round "
+                         "function per phase, make_round(phase.algorithm) for phase in algo.phases, and call "
+                         "phase.enter(state, data, key) at the first round of each later phase; or run it with "
+                         "pfedkdh_jax.PhasedRunner, whose round takes the round's index")
+
+
+def checked_selection(selected, num_clients: int, ndim: int = 1):
+    """``selected``, a round's client indices (``[C]``; ``[R, C]`` with ``ndim=2``), as an array: its
+    dtype and rank are checked always, its values where they are known (outside a trace): each in
+    ``[0, num_clients)`` and none twice in one round. A ``ValueError`` names ``selected``."""
+    if isinstance(selected, (list, tuple)):
+        selected = jnp.asarray(selected) if any(isinstance(s, jax.core.Tracer) for s in selected) \
+            else np.asarray(selected)
+    if not hasattr(selected, "dtype") or not hasattr(selected, "ndim"):
+        raise ValueError(f"selected must be an array of client indices; got a {type(selected).__name__}")
+    if selected.ndim != ndim or not np.issubdtype(selected.dtype, np.integer):
+        want = "[C]" if ndim == 1 else "[R, C] (a row of clients per repetition)"
+        raise ValueError(f"selected must be integer client indices {want}; got {selected.dtype} of shape "
+                         f"{tuple(selected.shape)}")
+    if isinstance(selected, jax.core.Tracer):
+        return selected.astype(jnp.int32)
+    values = np.asarray(selected)
+    if values.size and (values.min() < 0 or values.max() >= num_clients):
+        bad = values[(values < 0) | (values >= num_clients)].flat[0]
+        raise ValueError(f"selected: client {bad} is out of range for {num_clients} clients (0 to {num_clients - 1})")
+    rows = np.sort(values.reshape(-1, values.shape[-1]), axis=-1)
+    twice = rows[:, 1:][rows[:, 1:] == rows[:, :-1]]
+    if twice.size:
+        raise ValueError(f"selected holds client {twice[0]} twice: a round's clients are distinct")
+    return values.astype(np.int32)
 
 
 def select_clients(key: jax.Array, num_clients: int, per_round: int) -> jax.Array:

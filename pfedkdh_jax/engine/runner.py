@@ -49,7 +49,8 @@ from pfedkdh_jax.engine.layout import AUTO_GRANULE, Layout, Workload, local_trai
 from pfedkdh_jax.engine.local import (LocalState, LocalTrainer, fused_plan_pays, paying_widths, step_widths,
                                       width_runs)
 from pfedkdh_jax.engine.packing import make_packed_round
-from pfedkdh_jax.engine.round import LocalProblem, make_round, max_local_steps, select_clients
+from pfedkdh_jax.engine.round import (LocalProblem, check_one_phase, checked_selection, make_round, max_local_steps,
+                                      select_clients)
 from pfedkdh_jax.engine.sharding import leading_axis_sharding, per_device, replicated
 
 PyTree = Any
@@ -377,7 +378,9 @@ class _Rows:
                 spec = (jax.tree_util.tree_structure(row), n,
                         tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree_util.tree_leaves(row)))
                 buf = self._buf if spec == self._spec else self._empty(row, n)
-                self._buf = None   # donated below: only the returned buffer is live
+                # donated below: only the returned buffer is live (and a call that fails before
+                # returning leaves no stale buffer behind for the next one)
+                self._buf, self._spec = None, None
             buf = self._put(buf, row, np.int32(c))
         if self.keep:
             self._buf, self._spec = buf, spec
@@ -553,6 +556,7 @@ class RoundRunner:
         # repetition's values (``algo.with_hparams``), so one program serves them all;
         # workload: the rounds this runner will train (and evaluations), so that the host plans
         # compile only the narrow step widths that pay (None: every width its clients meet)
+        check_one_phase(algo, "RoundRunner(algo, ...)")
         self.algo, self.reps, self.mesh = algo, reps, mesh
         self.donate_state = donate_state
         state_donation = 0 if donate_state else None
@@ -682,7 +686,7 @@ class RoundRunner:
     def round(self, state, data: FederatedData, selected: np.ndarray, key: jax.Array):
         """One federated round over the clients ``selected`` (host ints ``[C]``, or ``[R, C]`` with
         repetitions; ``key`` then ``[R]``). Returns device values without synchronising."""
-        selected = np.asarray(selected)
+        selected = checked_selection(selected, data.num_clients, 1 if self.reps is None else 2)
         sel = self.place(jnp.asarray(selected, jnp.int32))
         key = self.place(key)
         state = self._pin(state)
