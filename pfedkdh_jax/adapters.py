@@ -14,12 +14,15 @@ LayerNorm or GroupNorm instead. Features of more than one axis per sample are fl
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import warnings
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 Params = Any
+_TRAIN_NAMES = ("train", "training", "is_training")   # a backbone's keyword that train_kwarg should name
 
 
 def _flat(z: jax.Array) -> jax.Array:
@@ -48,6 +51,14 @@ class LinenModel:
             module = getattr(self, name)
             if not (callable(getattr(module, "init", None)) and callable(getattr(module, "apply", None))):
                 raise TypeError(f"LinenModel({name}=...) must be a flax.linen Module; got a {type(module).__name__}")
+        if self.train_kwarg is None:
+            try:
+                takes = [n for n in inspect.signature(type(self.backbone).__call__).parameters if n in _TRAIN_NAMES]
+            except (TypeError, ValueError):
+                takes = []
+            if takes:
+                warnings.warn(f"LinenModel: the backbone's __call__ takes {takes[0]!r} but train_kwarg is None, so local "
+                              f"training never sets it (dropout stays off): pass train_kwarg={takes[0]!r}", stacklevel=3)
 
     def _kwargs(self, train: bool) -> dict:
         return {} if self.train_kwarg is None else {self.train_kwarg: train}

@@ -64,6 +64,25 @@ def test_a_model_that_is_not_one_is_named():
     with pytest.raises(TypeError, match="object given is not a pfedkdh_jax Model: it lacks init.*features.*logits_from_features"):
         p.FedPer(object())
 
+    class NoRng:
+        def init(self, key, shape):
+            return {}
+
+        def features(self, b, x):
+            return x
+
+        def logits_from_features(self, h, z):
+            return z
+    with pytest.raises(TypeError, match=r"FedPer\(model=...\): NoRng.features must take the keyword rng"):
+        p.FedPer(NoRng())
+
+    class Dropping(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            return nn.Dropout(0.5, deterministic=not train)(x.reshape(x.shape[0], -1))
+    with pytest.warns(UserWarning, match=r"takes 'train' but train_kwarg is None.*pass train_kwarg='train'"):
+        p.LinenModel(Dropping(), nn.Dense(10))
+
 
 def test_model_shapes_are_checked_before_anything_runs(digits):
     class NoSplit:
@@ -222,7 +241,8 @@ def test_float_features_and_a_natural_partition():
     (dict(x=np.zeros(10), y=np.zeros(10, int), client_ids=np.arange(10) % 2), "inputs must be"),
     (dict(x=np.zeros((10, 3)), y=np.arange(10) - 1, client_ids=np.arange(10) % 2), "labels must be in"),
     (dict(x=np.zeros((10, 3)), y=np.zeros(9, int), client_ids=np.arange(10) % 2), "one row per sample"),
-    (dict(x=np.zeros((10, 3)), y=np.arange(10) % 2, client_ids=np.array([0] * 5 + [2] * 5)), "client 1 holds 0"),
+    (dict(x=np.zeros((10, 3)), y=np.arange(10) % 2, client_ids=np.array([0] * 5 + [2] * 5)), r"client_ids skip id 1.*np.unique"),
+    (dict(x=np.zeros((10, 3)), y=np.arange(10) % 2, client_ids=np.array([0] * 9 + [1])), "client 1 holds 1 sample"),
     (dict(x=np.zeros((10, 3)), y=np.arange(10) % 2), "give the clients one way"),
     (dict(x=np.full((10, 3), np.nan), y=np.zeros(10, int), client_ids=np.arange(10) % 2), "non-finite"),
 ])

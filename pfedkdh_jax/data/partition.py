@@ -293,6 +293,10 @@ def natural_partition(client_ids, *, aux_size: int = 0, train_fraction: float = 
     k = int(ids.max()) + 1
     if k < 2:
         raise DataError(f"client_ids name {k} client; a federation needs >= 2")
+    absent = np.flatnonzero(np.bincount(ids, minlength=k) == 0)
+    if absent.size:
+        raise DataError(f"client_ids skip id {int(absent[0])}: the ids are the clients 0..K-1 (here K = {k}); renumber "
+                        "them with np.unique(client_ids, return_inverse=True)[1]")
     counts = np.bincount(ids[rest], minlength=k)
     small = np.flatnonzero(counts < min_client_samples)
     if small.size:

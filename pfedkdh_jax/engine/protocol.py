@@ -66,6 +66,7 @@ each, :class:`ClientUpdate` and :class:`EvalModels`, whatever the method.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import typing
 from typing import Any, Callable, ClassVar
 
@@ -101,6 +102,13 @@ def check_model(model: Any, where: str = "model") -> Any:
     what is missing (and the adapter to use for a flax module)."""
     missing = [sig for name, sig in _MODEL_FUNCTIONS.items() if not callable(getattr(model, name, None))]
     if not missing:
+        try:
+            params = inspect.signature(model.features).parameters
+        except (TypeError, ValueError):   # a callable without a signature: taken as it is
+            return model
+        if "rng" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise TypeError(f"{where}: {type(model).__name__}.features must take the keyword rng "
+                            f"({_MODEL_FUNCTIONS['features']}: rng is given in training, for dropout)")
         return model
     hint = ""
     if hasattr(model, "apply") and hasattr(model, "init"):
