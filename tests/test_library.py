@@ -137,6 +137,8 @@ def test_a_rounds_clients_are_checked_and_a_failed_round_leaves_the_runner_usabl
         pure(state, digits, [0, 9], key)
     with pytest.raises(ValueError, match=r"selected must be integer client indices \[C\]; got float32"):
         jax.jit(pure)(state, digits, jnp.array([0.0, 1.0]), key)
+    with pytest.raises(ValueError, match=r"select_clients: num_clients and per_round set the selection's shape"):
+        jax.jit(lambda n: p.select_clients(key, 4, n))(2)
     runner = p.RoundRunner(algo, digits, p.Layout("sequential", "unrolled", chunk_steps=2))
     with pytest.raises(ValueError, match=r"selected holds client 2 twice"):
         runner.round(state, digits, [2, 2], key)

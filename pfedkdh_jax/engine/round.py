@@ -183,8 +183,12 @@ def checked_selection(selected, num_clients: int, ndim: int = 1):
 
 def select_clients(key: jax.Array, num_clients: int, per_round: int) -> jax.Array:
     """``per_round`` of ``num_clients`` clients, uniformly without replacement: ``int32 [C]``, traceable
-    (use it inside a ``jit`` or ``lax.scan``). Round ``t`` of :func:`~pfedkdh_jax.engine.runner.sample_schedule`
-    is ``select_clients(jax.random.fold_in(key, t), ...)``."""
+    in ``key`` (use it inside a ``jit`` or ``lax.scan``); the two counts set its shape, so they are Python
+    ints. Round ``t`` of :func:`~pfedkdh_jax.engine.runner.sample_schedule` is
+    ``select_clients(jax.random.fold_in(key, t), ...)``."""
+    if isinstance(num_clients, jax.core.Tracer) or isinstance(per_round, jax.core.Tracer):
+        raise ValueError("select_clients: num_clients and per_round set the selection's shape: pass Python ints "
+                         "(static arguments of your jit), not traced values")
     if not 1 <= per_round <= num_clients:
         raise ValueError(f"per_round must be in [1, num_clients={num_clients}]; got {per_round}")
     return jax.random.choice(key, num_clients, (per_round,), replace=False).astype(jnp.int32)
