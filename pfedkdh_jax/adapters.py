@@ -58,7 +58,12 @@ class LinenModel:
                 takes = []
             if takes:
                 warnings.warn(f"LinenModel: the backbone's __call__ takes {takes[0]!r} but train_kwarg is None, so local "
-                              f"training never sets it (dropout stays off): pass train_kwarg={takes[0]!r}", stacklevel=3)
+                              f"training never passes it (the backbone runs with its default both in training and "
+                              f"in evaluation): pass train_kwarg={takes[0]!r}", stacklevel=3)
+        elif self.train_kwarg == "deterministic":
+            raise ValueError("LinenModel(train_kwarg='deterministic'): train_kwarg names a keyword that is True in "
+                             "training, and flax's deterministic is the opposite: give the backbone a train keyword "
+                             "(deterministic=not train inside)")
 
     def _kwargs(self, train: bool) -> dict:
         return {} if self.train_kwarg is None else {self.train_kwarg: train}

@@ -82,6 +82,8 @@ def test_a_model_that_is_not_one_is_named():
             return nn.Dropout(0.5, deterministic=not train)(x.reshape(x.shape[0], -1))
     with pytest.warns(UserWarning, match=r"takes 'train' but train_kwarg is None.*pass train_kwarg='train'"):
         p.LinenModel(Dropping(), nn.Dense(10))
+    with pytest.raises(ValueError, match=r"flax's deterministic is the opposite"):
+        p.LinenModel(Dropping(), nn.Dense(10), train_kwarg="deterministic")
 
 
 def test_model_shapes_are_checked_before_anything_runs(digits):
@@ -135,6 +137,8 @@ def test_a_rounds_clients_are_checked_and_a_failed_round_leaves_the_runner_usabl
     pure = p.make_round(algo, p.Layout("vmap", "scan"))
     with pytest.raises(ValueError, match=r"selected: client 9 is out of range for 4 clients \(0 to 3\)"):
         pure(state, digits, [0, 9], key)
+    with pytest.raises(ValueError, match=r"selected is empty"):
+        pure(state, digits, [], key)
     with pytest.raises(ValueError, match=r"selected must be integer client indices \[C\]; got float32"):
         jax.jit(pure)(state, digits, jnp.array([0.0, 1.0]), key)
     with pytest.raises(ValueError, match=r"select_clients: num_clients and per_round set the selection's shape"):
@@ -165,7 +169,7 @@ def test_a_fresh_state_may_be_donated_and_phases_are_named(digits):
     new, _ = donating(algo.init(jax.random.key(0), digits), digits, jnp.array([0, 1]), jax.random.key(1))
     assert new.round == 1
     fedfed = p.FedFed(small_model(), p.FedFedConfig(feature_rounds=1, vae_width=8))
-    with pytest.raises(ValueError, match=r"FedFed runs in 2 phases \(FedFedFeatures for 1 rounds, then FedFedAvg "
+    with pytest.raises(ValueError, match=r"FedFed runs in 2 phases \(FedFedFeatures for 1 round, then FedFedAvg "
                                          r"for the remaining rounds\).*pfedkdh_jax.PhasedRunner"):
         p.make_round(fedfed)
     with pytest.raises(ValueError, match=r"RoundRunner\(algo, ...\): FedFed runs in 2 phases"):

@@ -147,7 +147,7 @@ def check_one_phase(algo: Algorithm, where: str) -> None:
     phases = algo.phases
     if len(phases) > 1:
         steps = ", then ".join(f"{type(p.algorithm).__name__} for " +
-                               (f"{p.rounds} rounds" if p.rounds is not None else "the remaining rounds")
+                               (f"{p.rounds} round{'s' if p.rounds != 1 else ''}" if p.rounds is not None else "the remaining rounds")
                                for p in phases)
         raise ValueError(f"{where}: {type(algo).__name__} runs in {len(phases)} phases ({steps}): make a round "
                          "function per phase, make_round(phase.algorithm) for phase in algo.phases, and call "
@@ -163,7 +163,9 @@ def checked_selection(selected, num_clients: int, ndim: int = 1):
         selected = jnp.asarray(selected) if any(isinstance(s, jax.core.Tracer) for s in selected) \
             else np.asarray(selected)
     if not hasattr(selected, "dtype") or not hasattr(selected, "ndim"):
-        raise ValueError(f"selected must be an array of client indices; got a {type(selected).__name__}")
+        raise ValueError(f"selected must be an array of client indices; got {type(selected).__name__} {selected!r}")
+    if selected.size == 0:
+        raise ValueError("selected is empty: a round needs at least one client")
     if selected.ndim != ndim or not np.issubdtype(selected.dtype, np.integer):
         want = "[C]" if ndim == 1 else "[R, C] (a row of clients per repetition)"
         raise ValueError(f"selected must be integer client indices {want}; got {selected.dtype} of shape "
