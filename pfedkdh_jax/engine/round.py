@@ -137,7 +137,9 @@ def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:
     """The round of ``algo`` as a pure function ``(state, data, selected, key) -> (state, metrics)``
     (un-jitted). ``layout`` fields left ``None`` take the default backend's choice; a step loop left
     ``None`` is a ``lax.scan`` when the round is called inside a trace (a user's ``jit``). A method of
-    several phases (FedFed) has a round function per phase (``make_round(phase.algorithm)``)."""
+    several phases (FedFed) has a round function per phase (``make_round(phase.algorithm)``). A method's
+    ``before_training`` (pFedKDH's optional warm-up) is not part of a round: the runners' ``prepare``
+    runs it once before round 0."""
     check_one_phase(algo, "make_round(algo)")
     return RoundPieces(algo, layout.resolved(), trace_scan=layout.step_loop is None)
 
