@@ -117,6 +117,8 @@ def test_configs_check_their_fields_in_python_terms():
     with pytest.raises(p.OptionError, match=r"PFedKDHConfig.persistent_heads must be True or False; got 1"):
         p.PFedKDHConfig(persistent_heads=1)
     assert p.FedAvgConfig(lr=1, batch_size=np.int64(8)).batch_size == 8 and p.PFedSimConfig(warmup=3).warmup == 3
+    with pytest.raises(p.OptionError, match=r"PFedKDHConfig.lam must be in \[0, 1\]; got 5.0"):   # a concrete JAX value
+        p.PFedKDHConfig(lam=jnp.array(5.0))
     with pytest.raises(ValueError, match=r"PFedKDHConfig has no field 'learning_rate'; traceable fields: lr"):
         p.PFedKDH(small_model()).with_hparams({"learning_rate": 0.1})
     # every method by its registered name, over a model of one's own

@@ -46,9 +46,13 @@ def option(default: Any, help: str, check: Callable[[Any], bool] | None = None, 
                                                         "cli": cli})
 
 
-def _is_traced(value) -> bool:
-    """A JAX value (a traced scalar of a stacked run): not checked on the host."""
+def _is_jax(value) -> bool:
     return type(value).__module__.split(".")[0] in ("jax", "jaxlib")
+
+
+def _is_traced(value) -> bool:
+    """A traced JAX value (a scalar of a stacked run): not checked on the host."""
+    return _is_jax(value) and any(c.__name__.endswith("Tracer") for c in type(value).__mro__)
 
 
 # the annotations a field's value is checked against, and how an error words them
@@ -115,6 +119,10 @@ class LocalConfig:
             check, value = f.metadata.get("check"), getattr(self, f.name)
             if _is_traced(value):
                 continue
+            if _is_jax(value):   # a concrete JAX value is checked as the Python scalar it holds
+                if getattr(value, "ndim", None) != 0:
+                    raise OptionError(name, f.name, "a scalar", value)
+                value = value.item()
             kind = _kind_error(f.type, value)
             if kind is not None and not (check is not None and f.type == "str"):   # a str's check lists its values
                 raise OptionError(name, f.name, kind, value)
