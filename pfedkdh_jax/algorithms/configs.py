@@ -55,24 +55,25 @@ def _is_traced(value) -> bool:
     return _is_jax(value) and any(c.__name__.endswith("Tracer") for c in type(value).__mro__)
 
 
-# the annotations a field's value is checked against, and how an error words them
-_KINDS = {"int": (numbers.Integral, "an int"), "float": (numbers.Real, "a number"), "str": (str, "a str")}
+def _is_bool(value) -> bool:
+    return type(value).__name__ in ("bool", "bool_")
+
+
+# a field's annotation -> whether a value is of that kind, and how an error words it (a bool is not taken
+# for a number; a str field's own check lists its values)
+_KINDS = {"int": (lambda v: isinstance(v, numbers.Integral) and not _is_bool(v), "an int"),
+          "float": (lambda v: isinstance(v, numbers.Real) and not _is_bool(v), "a number"),
+          "bool": (_is_bool, "True or False")}
 
 
 def _kind_error(annotation: str, value) -> str | None:
     """What ``value`` should be under a field's ``annotation`` (``int``, ``float | None``, ``bool``, ...),
-    or ``None`` when it is of that kind or the annotation names no kind checked here. A bool is not
-    taken for a number."""
+    or ``None`` when it is of that kind or the annotation names no kind checked here."""
     parts = [p.strip() for p in str(annotation).split("|")]
-    words = [_KINDS[p][1] if p in _KINDS else "True or False" for p in parts if p in _KINDS or p == "bool"]
-    if not words or (value is None and "None" in parts):
+    kinds = [_KINDS[p] for p in parts if p in _KINDS]
+    if not kinds or (value is None and "None" in parts) or any(ok(value) for ok, _ in kinds):
         return None
-    is_bool = type(value).__name__ in ("bool", "bool_")
-    if is_bool and "bool" in parts:
-        return None
-    if not is_bool and any(isinstance(value, _KINDS[p][0]) for p in parts if p in _KINDS):
-        return None
-    return " or ".join(words + (["None"] if "None" in parts else []))
+    return " or ".join([word for _, word in kinds] + (["None"] if "None" in parts else []))
 
 
 def _optimizer(value) -> bool:
@@ -124,7 +125,7 @@ class LocalConfig:
                     raise OptionError(name, f.name, "a scalar", value)
                 value = value.item()
             kind = _kind_error(f.type, value)
-            if kind is not None and not (check is not None and f.type == "str"):   # a str's check lists its values
+            if kind is not None:
                 raise OptionError(name, f.name, kind, value)
             if check is not None and not check(value):
                 raise OptionError(name, f.name, f.metadata["allowed"], value)

@@ -350,8 +350,9 @@ class Algorithm:
         Default: ``self.config`` replaced."""
         config = self.config
         allowed = tuple(getattr(type(config), "TRACEABLE", ()))
+        fields = {f.name for f in dataclasses.fields(config)}
         for field in values:
-            if field not in {f.name for f in dataclasses.fields(config)}:
+            if field not in fields:
                 raise ValueError(f"{type(config).__name__} has no field {field!r}; traceable fields: "
                                  f"{', '.join(allowed) or 'none'}")
             if field not in allowed:
