@@ -183,6 +183,46 @@ def test_a_fresh_state_may_be_donated_and_phases_are_named(digits):
         fedfed.init(jax.random.key(0), flat)
 
 
+def test_a_state_built_on_other_data_is_named(digits):
+    algo = p.PFedKDH(small_model(), p.PFedKDHConfig(local_epochs=1, batch_size=32, teacher_epochs=1))
+    pool = load_pool("digits")
+    six = p.from_arrays(pool.images[:600], pool.labels[:600], num_clients=6, alpha=1.0, aux_size=60, seed=0)
+    state, key = algo.init(jax.random.key(0), digits), jax.random.key(1)   # 4 clients' heads
+    message = r"the state holds 4 clients \(its heads are \[4, ...\]\) but the data has 6"
+    with pytest.raises(ValueError, match="round: " + message):
+        jax.jit(p.make_round(algo, p.Layout("vmap", "scan")))(state, six, jnp.array([4, 5]), key)
+    with pytest.raises(ValueError, match="evaluate: " + message):
+        p.make_evaluate(algo)(state, six, key)
+    runner = p.RoundRunner(algo, six, p.Layout("sequential", "unrolled", chunk_steps=2))
+    with pytest.raises(ValueError, match="RoundRunner.round: " + message):
+        runner.round(state, six, [4, 5], key)
+    with pytest.raises(ValueError, match="RoundRunner.evaluate: " + message):
+        runner.evaluate(state, six, key)
+    fedavg = p.FedAvg(small_model(), p.FedAvgConfig(local_epochs=1))   # its heads: the global one, broadcast
+    with pytest.raises(ValueError, match="round: the state holds 4 clients"):
+        p.make_round(fedavg)(fedavg.init(key, digits), six, [0, 5], key)
+    stacked = p.RoundRunner(algo, six, p.Layout("vmap", "scan"), reps=2)   # [R, K, ...]: K read after R
+    states = jax.vmap(lambda k: algo.init(k, digits))(jax.random.split(key, 2))
+    with pytest.raises(ValueError, match="RoundRunner.round: " + message):
+        stacked.round(states, six, np.array([[0, 1], [2, 3]]), jax.random.split(key, 2))
+
+
+def test_before_training_runs_pure_inside_a_users_jit(digits):
+    # pFedKDH's warm-up on D_s and its teacher refit, before round 0: the runner's host loop and the
+    # pure form inside a jit (a lax.scan of steps) compute the same state
+    algo = p.PFedKDH(small_model(), p.PFedKDHConfig(local_epochs=1, batch_size=32, teacher_epochs=1,
+                                                    warmup_epochs=1, teacher_refit_at_start=True))
+    state, key = algo.init(jax.random.key(0), digits), jax.random.key(4)
+    host = p.RoundRunner(algo, digits, p.Layout("sequential", "unrolled", chunk_steps=2)).prepare(state, digits, key)
+    pure = jax.jit(p.make_round(algo).prepare)(state, digits, key)
+    assert all(not np.allclose(a, b) for a, b in zip(jax.tree_util.tree_leaves(host.backbone),
+                                                      jax.tree_util.tree_leaves(state.backbone)))   # warmed up
+    for a, b in zip(jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(pure)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+    eager = p.make_round(algo, p.Layout("vmap", "scan")).prepare(state, digits, key)
+    np.testing.assert_allclose(eager.teacher_head["kernel"], host.teacher_head["kernel"], rtol=2e-4, atol=2e-5)
+
+
 def test_injected_optimizer_and_a_stackable_learning_rate(digits):
     model = small_model()
     adamw = p.FedAvg(model, p.FedAvgConfig(local_epochs=1, optimizer=lambda lr: optax.adamw(lr, weight_decay=1e-4)))

@@ -23,7 +23,7 @@ from pfedkdh_jax.engine.protocol import Algorithm, EvalModels, Personalization
 from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.layout import Layout
-from pfedkdh_jax.engine.round import LocalProblem, max_local_steps
+from pfedkdh_jax.engine.round import LocalProblem, check_state_clients, max_local_steps
 
 PyTree = Any
 
@@ -171,6 +171,7 @@ class EvaluatePieces:
 
     def __call__(self, state, data: FederatedData, key: jax.Array, personalize: bool = False) -> dict:
         """Every metric of an evaluation (see the module docstring)."""
+        check_state_clients(self.algo, state, data, "evaluate")
         return evaluation(self, self.algo.personalization, state, data, key, personalize)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate
 from pfedkdh_jax.data.device import FederatedData
-from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
 from pfedkdh_jax.engine.sharding import per_device
 
@@ -126,11 +126,63 @@ class RoundPieces:
     def __call__(self, state, data: FederatedData, selected: jax.Array, key: jax.Array):
         """One round: ``(state, data, selected [C], key) -> (state, metrics)``."""
         selected = jnp.asarray(checked_selection(selected, data.num_clients))
+        check_state_clients(self.algo, state, data, "round")
         pieces = self
         if self.trace_scan and self.layout.step_loop != "scan" and isinstance(selected, jax.core.Tracer):
             pieces = dataclasses.replace(self, layout=dataclasses.replace(self.layout, step_loop="scan"))
         updates = pieces.updates(state, data, selected, key)
         return self.algo.server_update(state, data, selected, updates, key)
+
+    def prepare(self, state, data: FederatedData, key: jax.Array):
+        """The method's ``before_training`` (once, before round 0; pFedKDH's optional warm-up), pure:
+        call it eagerly or inside your ``jit``. Inside a trace its local problems take their steps in a
+        ``lax.scan`` (when the layout left the step loop to the backend), as the round's do."""
+        check_state_clients(self.algo, state, data, "prepare")
+        scan = self.trace_scan and isinstance(key, jax.core.Tracer)
+        layout = dataclasses.replace(self.layout, step_loop="scan") if scan else self.layout
+        return self.algo.before_training(state, data, key,
+                                         lambda *args: train_local_problem(layout, *args))
+
+
+def train_local_problem(layout: Layout, trainer: LocalTrainer, local: LocalState, ctx: PyTree, row: jax.Array,
+                        source) -> LocalState:
+    """Every step of one local problem, laid out as a client's round is: the ``train`` service a
+    method's ``before_training`` is given. Called eagerly, each call compiles (it runs once a run) and
+    an unrolled layout runs its chunks from the host; inside a trace it adds the steps to the program,
+    as many as ``local.n`` asks (as ``row``'s length allows when ``n`` is traced: steps past a
+    problem's own are no-ops)."""
+    n = local.n
+    steps = int(trainer.num_steps(int(row.shape[-1]) if isinstance(n, jax.core.Tracer) else int(n)))
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((local, ctx, row, source)))
+    if traced:
+        return trainer.run(local, ctx, row, source, steps, layout.step_loop)
+    opts = local_training_compiler_options()
+    if layout.step_loop == "scan":
+        return jax.jit(lambda s, c, r, src: trainer.run_scan(s, c, r, src, steps),
+                       compiler_options=opts)(local, ctx, row, source)
+    chunks, single = divmod(steps, layout.chunk_steps)
+    run = jax.jit(lambda s, c, r, src: trainer.run_unrolled(s, c, r, src, layout.chunk_steps), compiler_options=opts)
+    for _ in range(chunks):
+        local = run(local, ctx, row, source)
+    one = jax.jit(lambda s, c, r, src: trainer.run_unrolled(s, c, r, src, 1), compiler_options=opts)
+    for _ in range(single):
+        local = one(local, ctx, row, source)
+    return local
+
+
+def check_state_clients(algo: Algorithm, state, data: FederatedData, where: str, rep_axis: bool = False) -> None:
+    """A ``ValueError`` naming ``where`` when ``state`` keeps values for another number of clients than
+    ``data`` has (a state ``init`` built on other data: JAX would clamp the clients' indices into it,
+    silently). Read from the shapes of the method's evaluation heads (``eval_models``, ``[K, ...]``;
+    ``[R, K, ...]`` with ``rep_axis``); a method whose evaluation has no heads is not checked."""
+    models = jax.eval_shape(jax.vmap(algo.eval_models) if rep_axis else algo.eval_models, state)
+    heads = jax.tree_util.tree_leaves(models.heads)
+    if not heads:
+        return
+    k = heads[0].shape[1 if rep_axis else 0]
+    if k != data.num_clients:
+        raise ValueError(f"{where}: the state holds {k} clients (its heads are [{k}, ...]) but the data has "
+                         f"{data.num_clients}: build the state with algo.init(key, data) on the data it runs on")
 
 
 def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:
@@ -138,8 +190,8 @@ def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:
     (un-jitted). ``layout`` fields left ``None`` take the default backend's choice; a step loop left
     ``None`` is a ``lax.scan`` when the round is called inside a trace (a user's ``jit``). A method of
     several phases (FedFed) has a round function per phase (``make_round(phase.algorithm)``). A method's
-    ``before_training`` (pFedKDH's optional warm-up) is not part of a round: the runners' ``prepare``
-    runs it once before round 0."""
+    ``before_training`` (pFedKDH's optional warm-up) is not part of a round: :meth:`RoundPieces.prepare`
+    (or a runner's ``prepare``) runs it once before round 0."""
     check_one_phase(algo, "make_round(algo)")
     return RoundPieces(algo, layout.resolved(), trace_scan=layout.step_loop is None)
 

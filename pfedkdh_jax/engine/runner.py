@@ -49,8 +49,8 @@ from pfedkdh_jax.engine.layout import AUTO_GRANULE, Layout, Workload, local_trai
 from pfedkdh_jax.engine.local import (LocalState, LocalTrainer, fused_plan_pays, paying_widths, step_widths,
                                       width_runs)
 from pfedkdh_jax.engine.packing import make_packed_round
-from pfedkdh_jax.engine.round import (LocalProblem, check_one_phase, checked_selection, make_round, max_local_steps,
-                                      select_clients)
+from pfedkdh_jax.engine.round import (LocalProblem, check_one_phase, check_state_clients, checked_selection, make_round,
+                                      max_local_steps, select_clients, train_local_problem)
 from pfedkdh_jax.engine.sharding import leading_axis_sharding, per_device, replicated
 
 PyTree = Any
@@ -567,6 +567,7 @@ class RoundRunner:
         self.round_fn = make_round(algo, self.layout)
         self.evaluate_fn = make_evaluate(algo, self.layout)
         self.traces: collections.Counter = collections.Counter()
+        self._fitting: set = set()   # kinds of state and data check_state_clients passed
         if data.stacked and reps != data.runs:
             raise ValueError(f"stacked partitions of {data.runs} runs need reps={data.runs}; got reps={reps}")
         self.stacked = data.stacked
@@ -687,6 +688,7 @@ class RoundRunner:
         """One federated round over the clients ``selected`` (host ints ``[C]``, or ``[R, C]`` with
         repetitions; ``key`` then ``[R]``). Returns device values without synchronising."""
         selected = checked_selection(selected, data.num_clients, 1 if self.reps is None else 2)
+        self._check_clients(state, data, "RoundRunner.round")
         sel = self.place(jnp.asarray(selected, jnp.int32))
         key = self.place(key)
         state = self._pin(state)
@@ -716,25 +718,21 @@ class RoundRunner:
         """The algorithm's ``before_training`` (one repetition's state, no repetition axis; of stacked
         partitions, the repetition's :func:`~pfedkdh_jax.data.device.run_slice`); ``algo``: the
         repetition's own (other hyperparameter values), default the runner's."""
+        check_state_clients(self.algo, state, data, "RoundRunner.prepare")
         return (algo or self.algo).before_training(state, data, key, self.train)
+
+    def _check_clients(self, state, data: FederatedData, where: str) -> None:
+        """:func:`check_state_clients`, once per kind of state (its structure and shapes) and data."""
+        leaves, tree = jax.tree_util.tree_flatten(state)
+        kind = (tree, tuple(np.shape(x) for x in leaves), data.num_clients)
+        if kind not in self._fitting:
+            check_state_clients(self.algo, state, data, where, rep_axis=self.reps is not None)
+            self._fitting.add(kind)
 
     def train(self, trainer: LocalTrainer, local: LocalState, ctx, row: jax.Array, source) -> LocalState:
         """Every step of one local problem, laid out as a client's round is (the service given to
         ``before_training``; compiled on each call: it runs once per run)."""
-        steps = int(trainer.num_steps(int(local.n)))
-        opts = local_training_compiler_options()
-        if self.layout.step_loop == "scan":
-            return jax.jit(lambda s, c, r, src: trainer.run_scan(s, c, r, src, steps),
-                           compiler_options=opts)(local, ctx, row, source)
-        chunk, single = divmod(steps, self.layout.chunk_steps)
-        run = jax.jit(lambda s, c, r, src: trainer.run_unrolled(s, c, r, src, self.layout.chunk_steps),
-                      compiler_options=opts)
-        for _ in range(chunk):
-            local = run(local, ctx, row, source)
-        one = jax.jit(lambda s, c, r, src: trainer.run_unrolled(s, c, r, src, 1), compiler_options=opts)
-        for _ in range(single):
-            local = one(local, ctx, row, source)
-        return local
+        return train_local_problem(self.layout, trainer, local, ctx, row, source)
 
     def _pin(self, state):
         """On a mesh without a sharded repetition axis, keep the state replicated, so every round
@@ -796,6 +794,7 @@ class RoundRunner:
         """Every metric of an evaluation of all K clients, as device values (see
         :mod:`pfedkdh_jax.engine.evaluate`); ``personalize`` asks for a personalization that does not
         run at every evaluation (pFedKDH-EA)."""
+        self._check_clients(state, data, "RoundRunner.evaluate")
         return evaluation(self, self.algo.personalization, state, data, self.place(key), personalize)
 
     def adapted_on_images(self, state, data: FederatedData, key: jax.Array):
