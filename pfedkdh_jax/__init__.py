@@ -25,12 +25,13 @@ _EXPORTS = {
     "make_partition": "data", "shards_partition": "data", "natural_partition": "data", "pool_from_arrays": "data",
     "partition_summary": "data", "format_summary": "data",
     "FederatedData": "data.device", "build_federated_data": "data.device", "from_arrays": "data.device",
+    "gather_inputs": "data.device",
     # models: the protocol, the paper's CNN, adapters of a user's flax modules
     "Model": "engine.protocol", "check_model": "engine.protocol", "logits": "engine.protocol",
     "feature_dim": "engine.protocol", "CNN": "model", "LinenModel": "adapters", "NNXModel": "adapters",
     # the method protocol
     "Algorithm": "engine.protocol", "ClientUpdate": "engine.protocol", "EvalModels": "engine.protocol",
-    "Personalization": "engine.protocol", "Phase": "engine.protocol",
+    "Personalization": "engine.protocol", "Phase": "engine.protocol", "masked_mean": "losses",
     # methods (each with its config) and the CLI's registry
     **{cls: f"algorithms.{mod}" for cls, mod in _METHODS.items()},
     **{f"{cls}Config": "algorithms.configs" for cls in _METHODS},

@@ -23,6 +23,7 @@ def load(name):
     ("own_loop", ["--rounds", "2", "--clients", "4", "--model", "mlp"]),
     ("lr_seed_grid", ["--rounds", "2", "--lrs", "0.0,0.05", "--seeds", "1", "--clients", "4", "--model", "mlp"]),
     ("natural_partition", ["--rounds", "3", "--writers", "4"]),
+    ("own_method", ["--rounds", "2", "--clients", "4", "--model", "mlp"]),
 ])
 def test_example_runs(name, argv):
     out = load(name).main(argv)
@@ -34,5 +35,7 @@ def test_example_runs(name, argv):
     elif name == "lr_seed_grid":
         assert set(out) == {"lr=0.0 seed=0", "lr=0.05 seed=0"}
         assert out["lr=0.05 seed=0"] > out["lr=0.0 seed=0"]     # a learning rate of 0 learns nothing
+    elif name == "own_method":    # server lr 1 without momentum: FedPer's round, to float rounding
+        assert out["same_as_fedper"] < 1e-6 and 0 <= out["fedperm"] <= 1 and 0 <= out["fedper"] <= 1
     else:
         assert out["clients"] == 4 and out["personalized_macro_accuracy"] > 0.5
