@@ -37,6 +37,7 @@ _EXPORTS = {
     **{f"{cls}Config": "algorithms.configs" for cls in _METHODS},
     "LocalConfig": "algorithms.configs", "OptionError": "algorithms.configs", "PFedKDHState": "algorithms.pfedkdh",
     "METHODS": "algorithms", "make_method": "algorithms", "build_algorithm": ("algorithms", "build"),
+    "register_method": "algorithms", "option": "algorithms.configs", "client_tx": "algorithms.common",
     # engine
     "Layout": "engine.layout", "Workload": "engine.layout", "LocalTrainer": "engine.local", "LocalState": "engine.local",
     "make_round": "engine.round", "make_evaluate": "engine.evaluate", "select_clients": "engine.round",

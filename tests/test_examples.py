@@ -26,7 +26,13 @@ def load(name):
     ("own_method", ["--rounds", "2", "--clients", "4", "--model", "mlp"]),
 ])
 def test_example_runs(name, argv):
-    out = load(name).main(argv)
+    from pfedkdh_jax.algorithms import METHODS
+    registered = dict(METHODS)
+    try:
+        out = load(name).main(argv)
+    finally:   # own_method registers a method on import: the registry as it was for the other tests
+        METHODS.clear()
+        METHODS.update(registered)
     if name == "resnet_adamw":
         assert set(out) == {"pfedkdh"} and all(0 <= r["personalized_macro_accuracy"] <= 1 for r in out.values())
         assert "ea" in out["pfedkdh"]

@@ -3,6 +3,7 @@ name, and the pure pieces inside a user's own ``jit`` / ``lax.scan``."""
 
 import dataclasses
 import importlib.metadata
+import json
 import pathlib
 
 import flax.linen as nn
@@ -221,6 +222,68 @@ def test_before_training_runs_pure_inside_a_users_jit(digits):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
     eager = p.make_round(algo, p.Layout("vmap", "scan")).prepare(state, digits, key)
     np.testing.assert_allclose(eager.teacher_head["kernel"], host.teacher_head["kernel"], rtol=2e-4, atol=2e-5)
+
+
+@pytest.fixture
+def registry():
+    """The method registry as it was, after the test (a registration stays for the process)."""
+    from pfedkdh_jax.algorithms import METHODS
+    before = dict(METHODS)
+    yield METHODS
+    METHODS.clear()
+    METHODS.update(before)
+
+
+def test_a_method_of_ones_own_runs_from_the_command_line_and_resumes(registry, tmp_path, capsys):
+    import sys
+
+    from pfedkdh_jax.run import cli
+    from pfedkdh_jax.run.config import ConfigError, validate
+    from pfedkdh_jax.run.experiment import load_run_config
+    plugin = str(pathlib.Path(__file__).resolve().parents[1] / "experiments" / "examples" / "own_method.py")
+    out = tmp_path / "run"
+    assert cli.main(["run", "--plugin", plugin, "--method", "fedperm", "--dataset", "digits", "--preset", "smoke",
+                     "--rounds", "1", "--clients", "4", "--method-arg", "momentum=0.5", "--out", str(out),
+                     "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["method"] == "fedperm" and 0 <= summary["personalized_macro_accuracy"] <= 1
+    # a new process knows nothing of fedperm: the run's config.json names its plugin, which resume imports
+    del registry["fedperm"], sys.modules["pfedkdh_plugin_own_method"]
+    cfg = validate(load_run_config(str(out)))
+    assert cfg.method_args == (("momentum", "0.5"),) and "fedperm" in registry
+    del registry["fedperm"], sys.modules["pfedkdh_plugin_own_method"]
+    with pytest.raises(ConfigError, match=r"got 'fedperm' \(a method of one's own: register_method in a module "
+                                          r"given by --plugin\)"):
+        p.make_config(method="fedperm")
+    assert cli.main(["run", "--plugin", plugin, "--method", "fedperm", "--method-arg", "momentum=1.5"]) == 2
+    assert "--method-arg momentum must be in [0, 1) for fedperm; got 1.5" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"--plugin no_such_module: cannot import it"):
+        p.make_config(method="fedperm", plugins=("no_such_module",))
+
+
+def test_register_method_names_what_it_cannot_take(registry):
+    @dataclasses.dataclass(frozen=True)
+    class MineConfig(p.LocalConfig):
+        width: int = p.option(4, "a width", lambda v: v >= 1, ">= 1")
+
+    @dataclasses.dataclass(frozen=True)
+    class Mine(p.Algorithm):
+        model: object
+        config: MineConfig = MineConfig()
+
+    with pytest.raises(ValueError, match="'fedper' is one of the package's methods"):
+        p.register_method("fedper", Mine, MineConfig)
+    with pytest.raises(ValueError, match="a lower-case identifier"):
+        p.register_method("My-Method", Mine, MineConfig)
+    with pytest.raises(TypeError, match="config must be a dataclass deriving from pfedkdh_jax.LocalConfig"):
+        p.register_method("mine", Mine, dict)
+    with pytest.raises(ValueError, match="table_metric must be one of"):
+        p.register_method("mine", Mine, MineConfig, table_metric="accuracy")
+    spec = p.register_method("mine", Mine, MineConfig)
+    assert spec.args == {"width": 4} and spec.class_name == "Mine"
+    assert p.make_method("mine", small_model(), width=2).config.width == 2
+    with pytest.raises(p.OptionError, match="MineConfig.width must be >= 1; got 0"):
+        p.make_method("mine", small_model(), width=0)
 
 
 def test_injected_optimizer_and_a_stackable_learning_rate(digits):

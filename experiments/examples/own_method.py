@@ -9,8 +9,12 @@ FedPer exactly, which this script checks before it runs both.
 
 What the method needs from the package: ``Algorithm`` (the protocol's defaults), ``LocalTrainer``
 (the local SGD loop the engine lays out), ``gather_inputs`` (a batch of a client's samples from the
-data), ``logits`` and ``masked_mean``. The rest is jax, optax and flax.struct; the runners, the pure
-round and the evaluation take it as they take the package's own twelve.
+data), ``logits`` and ``masked_mean``; for its config ``LocalConfig`` (the clients' budget), ``option``
+and ``client_tx``. The rest is jax, optax and flax.struct; the runners, the pure round and the
+evaluation take it as they take the package's own twelve, and ``register_method`` makes it a method of
+runs, sweeps and the command line (``--plugin`` names this file):
+
+    pfedkdh run --plugin experiments/examples/own_method.py --method fedperm --dataset digits
 """
 
 from __future__ import annotations
@@ -46,17 +50,21 @@ class FedPerMState:
 
 
 @dataclasses.dataclass(frozen=True)
+class FedPerMConfig(p.LocalConfig):
+    """The clients' budget (lr, batch_size, local_epochs, optimizer) and the server's two options."""
+
+    server_lr: float = p.option(1.0, "the server's step on the clients' mean change", lambda v: v > 0, "> 0")
+    momentum: float = p.option(0.9, "the server's momentum (0: none)", lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
 class FedPerM(p.Algorithm):
     model: Any
-    lr: float = 0.01            # the clients' SGD
-    local_epochs: int = 1
-    batch_size: int = 64
-    server_lr: float = 1.0
-    momentum: float = 0.9
+    config: FedPerMConfig = FedPerMConfig()
 
     @property
     def server_tx(self) -> optax.GradientTransformation:
-        return optax.sgd(self.server_lr, momentum=self.momentum or None)
+        return optax.sgd(self.config.server_lr, momentum=self.config.momentum or None)
 
     def init(self, key, data: p.FederatedData) -> FedPerMState:
         params = self.model.init(key, data.input_shape)
@@ -70,8 +78,9 @@ class FedPerM(p.Algorithm):
         def loss_fn(params, ctx, x, y, mask, rng):
             logits = p.logits(self.model, params, x, rng=rng)   # rng given: training mode (dropout)
             return p.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), mask)
-        return p.LocalTrainer(loss_fn=loss_fn, tx=optax.sgd(self.lr), gather=p.gather_inputs,
-                              epochs=self.local_epochs, batch_size=self.batch_size)
+        c = self.config   # client_tx: the config's optimizer at its lr (optax.sgd(lr) by default)
+        return p.LocalTrainer(loss_fn=loss_fn, tx=p.client_tx(c), gather=p.gather_inputs,
+                              epochs=c.local_epochs, batch_size=c.batch_size)
 
     def client_start(self, state, data, client, key) -> p.LocalState:
         params = {"backbone": state.backbone, "head": jax.tree.map(lambda h: h[client], state.heads)}
@@ -93,6 +102,11 @@ class FedPerM(p.Algorithm):
         return p.EvalModels(backbone=state.backbone, heads=state.heads)
 
 
+# a method of runs, sweeps and the command line:
+#   pfedkdh run --plugin experiments/examples/own_method.py --method fedperm --method-arg momentum=0.5
+p.register_method("fedperm", FedPerM, FedPerMConfig, summary="FedPerM: FedPer with server momentum (example)")
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=10)
@@ -107,8 +121,9 @@ def main(argv=None) -> dict:
     schedule = p.sample_schedule(jax.random.key(1), a.rounds, a.clients, a.clients // 2)
 
     # FedPerM with server_lr 1 and no momentum is FedPer: one round of each, from the same start
-    plain = FedPerM(model, server_lr=1.0, momentum=0.0)
-    fedper = p.FedPer(model, p.FedPerConfig(lr=0.01, local_epochs=1, batch_size=64))
+    budget = dict(lr=0.01, local_epochs=1, batch_size=64)
+    plain = FedPerM(model, FedPerMConfig(server_lr=1.0, momentum=0.0, **budget))
+    fedper = p.FedPer(model, p.FedPerConfig(**budget))
     key = jax.random.key(100)
     runners = {"fedper": p.RoundRunner(fedper, data)}
     a_state = p.RoundRunner(plain, data).round(plain.init(jax.random.key(0), data), data, schedule[0], key)[0]
@@ -118,7 +133,7 @@ def main(argv=None) -> dict:
     print(f"FedPerM(server_lr=1, momentum=0) against FedPer after one round: largest difference {same:.2e}")
 
     out = {"same_as_fedper": same}
-    for name, algo in (("fedper", fedper), ("fedperm", FedPerM(model, momentum=0.9))):
+    for name, algo in (("fedper", fedper), ("fedperm", FedPerM(model, FedPerMConfig(momentum=0.9, **budget)))):
         runner = runners.get(name) or p.RoundRunner(algo, data)
         state = algo.init(jax.random.key(0), data)
         for t, selected in enumerate(schedule):

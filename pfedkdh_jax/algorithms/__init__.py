@@ -23,13 +23,16 @@ module (which defines ``from_config(cfg, num_classes, args)``), its config class
 ``--method-arg`` options, their types, defaults and checks are derived), and the run options
 (``RunConfig`` fields beyond the shared budget) it reads. It imports no JAX, so the CLI validates
 options before anything is compiled. In Python, every method is public by name
-(``pfedkdh_jax.FedProx(model, FedProxConfig(mu=0.1))``).
+(``pfedkdh_jax.FedProx(model, FedProxConfig(mu=0.1))``). A method written outside the package joins
+the registry with :func:`register_method` (the command line's ``--plugin`` imports the module that
+calls it; experiments/examples/own_method.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 from typing import Any, Callable
 
 from pfedkdh_jax.algorithms import configs as _c
@@ -55,6 +58,10 @@ class MethodSpec:
     stackable: bool = True
     # its options set with --method-arg (none for pFedKDH, whose options are run flags)
     method_args: bool = True
+    # a method registered from outside the package (register_method): its class, and how a run builds it
+    # ((cfg, num_classes, args) -> algorithm; None: the class over the run's CNN and its config)
+    algorithm: type | None = None
+    factory: Callable[[Any, int, dict], Any] | None = None
 
     @property
     def args(self) -> dict[str, Any]:
@@ -75,7 +82,11 @@ class MethodSpec:
     @property
     def class_name(self) -> str:
         """The method's class, e.g. ``FedProx`` (the config class less ``Config``)."""
-        return self.config.__name__[: -len("Config")]
+        return self.algorithm.__name__ if self.algorithm is not None else self.config.__name__[: -len("Config")]
+
+    def algorithm_class(self) -> type:
+        """The method's class (imports its module, and JAX, for a built-in one)."""
+        return self.algorithm or getattr(importlib.import_module(self.module), self.class_name)
 
 
 def _module(name: str) -> str:
@@ -155,8 +166,81 @@ def parse_method_args(method: str, pairs, cfg=None) -> dict[str, Any]:
 
 def build(cfg, num_classes: int):
     """The algorithm object for ``cfg.method`` (imports its module, and JAX, only now)."""
-    module = importlib.import_module(METHODS[cfg.method].module)
-    return module.from_config(cfg, num_classes, parse_method_args(cfg.method, cfg.method_args, cfg))
+    spec, args = METHODS[cfg.method], parse_method_args(cfg.method, cfg.method_args, cfg)
+    if spec.factory is not None:
+        return spec.factory(cfg, num_classes, args)
+    if spec.algorithm is not None:   # a registered class over the run's model and budget
+        from pfedkdh_jax.algorithms import common
+        return spec.algorithm(common.cnn(cfg, num_classes), spec.config(**common.local_config(cfg), **args))
+    return importlib.import_module(spec.module).from_config(cfg, num_classes, args)
+
+
+BUILT_IN = tuple(METHODS)   # the package's twelve (register_method adds to METHODS, never replaces these)
+TABLE_METRICS = ("personalized_macro_accuracy", "global_macro_accuracy")
+
+
+def register_method(name: str, algorithm: type, config: type, *, summary: str = "",
+                    table_metric: str = "personalized_macro_accuracy", stackable: bool = True,
+                    factory: Callable[[Any, int, dict], Any] | None = None) -> MethodSpec:
+    """Make a method of your own a method of runs, sweeps and the command line (``--method name``, with
+    ``--plugin`` naming the module that calls this), next to the twelve.
+
+    ``algorithm``: the class (an :class:`~pfedkdh_jax.engine.protocol.Algorithm`); ``config``: its config,
+    a frozen dataclass deriving from :class:`~pfedkdh_jax.algorithms.configs.LocalConfig` whose own fields
+    are declared with :func:`~pfedkdh_jax.algorithms.configs.option` (they become its ``--method-arg``
+    options, checked as the config checks them). A run builds ``algorithm(CNN of the run, config(budget of
+    the run, **method args))``, or calls ``factory(run_config, num_classes, method_args)`` when given.
+    ``table_metric``: the metric of its row in a sweep's table (its personalized models', or its global
+    model's); ``stackable``: whether runs on other partitions of one pool may share one program (its
+    shapes depend on the partition only through the padded tables). Registering a name again replaces
+    one's own registration; the package's methods cannot be replaced."""
+    if not (isinstance(name, str) and name.isidentifier() and name == name.lower()):
+        raise ValueError(f"register_method: the name must be a lower-case identifier (a --method value); got {name!r}")
+    if name in BUILT_IN:
+        raise ValueError(f"register_method: {name!r} is one of the package's methods; choose another name")
+    if not isinstance(algorithm, type):
+        raise TypeError(f"register_method({name!r}): algorithm must be a class; got {type(algorithm).__name__}")
+    if not (isinstance(config, type) and issubclass(config, _c.LocalConfig) and dataclasses.is_dataclass(config)):
+        raise TypeError(f"register_method({name!r}): config must be a dataclass deriving from "
+                        f"pfedkdh_jax.LocalConfig (its fields declared with pfedkdh_jax.option); got {config!r}")
+    if table_metric not in TABLE_METRICS:
+        raise ValueError(f"register_method({name!r}): table_metric must be one of {', '.join(TABLE_METRICS)}; "
+                         f"got {table_metric!r}")
+    if factory is not None and not callable(factory):
+        raise TypeError(f"register_method({name!r}): factory must be a function (run_config, num_classes, "
+                        f"method_args) -> algorithm")
+    spec = MethodSpec(algorithm.__module__, config, summary or f"{algorithm.__name__} (registered)",
+                      table_metric=table_metric, stackable=stackable, algorithm=algorithm, factory=factory)
+    METHODS[name] = spec
+    return spec
+
+
+def load_plugins(names) -> None:
+    """Import each of ``names`` (a module's dotted name, or a ``.py`` file's path) once: modules that
+    register methods (:func:`register_method`). A ``ValueError`` names the one that cannot be imported."""
+    import os
+    import sys
+    for name in names:
+        if name.endswith(".py"):
+            key = "pfedkdh_plugin_" + os.path.splitext(os.path.basename(name))[0]
+            if key in sys.modules and getattr(sys.modules[key], "__file__", None) == os.path.abspath(name):
+                continue
+            if not os.path.exists(name):
+                raise ValueError(f"--plugin {name}: no such file")
+            spec = importlib.util.spec_from_file_location(key, os.path.abspath(name))
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[key] = module        # (dataclasses look their module up while it runs)
+            try:
+                spec.loader.exec_module(module)
+            except Exception as e:
+                del sys.modules[key]
+                raise ValueError(f"--plugin {name}: importing it failed: {type(e).__name__}: {e}") from None
+        else:
+            try:
+                importlib.import_module(name)
+            except ImportError as e:
+                raise ValueError(f"--plugin {name}: cannot import it ({e}); give a module on the Python path "
+                                 f"or a .py file's path") from None
 
 
 def make_method(name: str, model, **options):
@@ -173,5 +257,4 @@ def make_method(name: str, model, **options):
     if unknown:
         raise ValueError(f"make_method({name!r}): {spec.config.__name__} has no field {unknown[0]!r}; its fields: "
                          f"{', '.join(sorted(fields))}")
-    cls = getattr(importlib.import_module(spec.module), spec.class_name)
-    return cls(model, spec.config(**options))
+    return spec.algorithm_class()(model, spec.config(**options))

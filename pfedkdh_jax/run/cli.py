@@ -95,6 +95,10 @@ _SWITCHES = [
 ]
 
 
+_PLUGIN_HELP = ("a module (dotted name, or a .py file) that registers methods of your own with "
+                "pfedkdh_jax.register_method, imported before --method is checked; repeatable, and kept in the "
+                "run's config.json for resume")
+
 _PRESET_FIELDS = {"num_clients", "participation", "aux_size", "rounds", "local_epochs", "batch_size", "lr",
                   "alpha", "ea_every", "teacher_epochs", "warmup_epochs"}
 
@@ -122,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument(flag, dest=field, action="store_const", const=value, default=None, help=hlp)
     r.add_argument("--method-arg", dest="method_args", action="append", default=None, metavar="KEY=VALUE",
                    help="a method's own option, repeatable (see pfedkdh_jax/algorithms/__init__.py)")
+    r.add_argument("--plugin", dest="plugins", action="append", default=None, metavar="MODULE",
+                   help=_PLUGIN_HELP)
     r.add_argument("--config", default=None, metavar="FILE",
                    help="options from a JSON file or a Python file with get_config(smoke=False) "
                         "(experiments/configs/); the preset < this file < flags")
@@ -143,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--method-arg", dest="sweep_method_args", action="append", default=None,
                     metavar="METHOD:KEY=VALUE", help="a method's own option, repeatable")
     sw.add_argument("--preset", default=None, choices=PRESETS, help="as for run (default: default)")
+    sw.add_argument("--plugin", dest="plugins", action="append", default=None, metavar="MODULE", help=_PLUGIN_HELP)
     sw.add_argument("--config", default=None, metavar="FILE",
                     help="the sweep from a JSON or Python file (get_config() -> dict with datasets, alphas, "
                          "methods, seeds, grid, preset, method_args and run options); flags override it")
@@ -212,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         return report_main(args.run_dirs, args.out)
     if args.command == "sweep":
         return _sweep(args)
-    values = {k: v for k, v in vars(args).items()
+    values = {k: tuple(v) if k == "plugins" else v for k, v in vars(args).items()
               if k in RunConfig.__dataclass_fields__ and v is not None}
     try:
         if args.config:
@@ -256,7 +263,7 @@ def _sweep(args) -> int:
         spec = {k: spec[k] for k in spec}
         axes = {k: spec.pop(k) for k in ("datasets", "alphas", "methods", "seeds", "grid", "preset",
                                          "method_args", "stack") if k in spec}
-        options = {**spec, **{k: v for k, v in vars(args).items()
+        options = {**spec, **{k: tuple(v) if k == "plugins" else v for k, v in vars(args).items()
                               if k in RunConfig.__dataclass_fields__ and v is not None}}
         split = lambda text: [x for x in text.split(",") if x]  # noqa: E731
         datasets = split(args.datasets) if args.datasets else axes.get("datasets", ["digits"])

@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from typing import Any
 
-from pfedkdh_jax.algorithms import METHODS, PFEDKDH_OPTIONS, parse_method_args
+from pfedkdh_jax.algorithms import METHODS, PFEDKDH_OPTIONS, load_plugins, parse_method_args
 from pfedkdh_jax.algorithms.configs import OPTIMIZERS, LocalConfig, OptionError, PFedKDHConfig
 from pfedkdh_jax.data.sources import DATASETS
 PRESETS = ("default", "paper", "smoke")
@@ -33,6 +34,8 @@ class RunConfig:
     # --- what to run
     method: str = "pfedkdh"            # federated algorithm (pfedkdh_jax.algorithms.METHODS)
     method_args: tuple = ()            # ((key, value-text), ...): the method's own options (--method-arg)
+    plugins: tuple = ()                # modules (dotted names, or .py paths) that register methods of one's
+                                       # own (pfedkdh_jax.register_method), imported before --method is checked
     dataset: str = "digits"            # digits (offline demo set) | mnist | fashion_mnist | cifar10 | cifar100
                                        # | synthetic (images of any count: --synthetic-samples)
     synthetic_samples: int = 70_000    # the pool size of --dataset synthetic
@@ -160,6 +163,8 @@ def make_config(preset_name: str = "default", **overrides) -> RunConfig:
     dataset = overrides.get("dataset", RunConfig.dataset)
     values = preset(preset_name, dataset)
     values.update({k: v for k, v in overrides.items() if v is not None})
+    if "plugins" in values:
+        values["plugins"] = plugins(values["plugins"])
     method = values.get("method", RunConfig.method)
     if preset_name == "smoke" and method in METHODS:   # the method's own phases scaled down too
         given = {k for k, _ in values.get("method_args", ())}
@@ -171,6 +176,22 @@ def make_config(preset_name: str = "default", **overrides) -> RunConfig:
     cfg = RunConfig(**values)
     validate(cfg)
     return cfg
+
+
+def plugins(names) -> tuple[str, ...]:
+    """``--plugin`` values imported (:func:`~pfedkdh_jax.algorithms.load_plugins`), a file's path made
+    absolute (a run's config.json then resumes from any directory)."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    names = tuple(os.path.abspath(x) if str(x).endswith(".py") else x for x in names)
+    _load_plugins(names)
+    return names
+
+
+def _load_plugins(names) -> None:
+    try:
+        load_plugins(tuple(names))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -210,7 +231,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"--{f.name.replace('_', '-')} must be a finite number; got {value}")
-    _check(cfg.method in METHODS, f"--method must be one of {', '.join(METHODS)}; got {cfg.method!r}")
+    _load_plugins(cfg.plugins)
+    _check(cfg.method in METHODS, f"--method must be one of {', '.join(METHODS)}; got {cfg.method!r}"
+           + ("" if cfg.plugins else " (a method of one's own: register_method in a module given by --plugin)"))
     try:
         parse_method_args(cfg.method, cfg.method_args, cfg)
     except ValueError as e:

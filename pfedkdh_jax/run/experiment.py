@@ -599,6 +599,7 @@ def load_run_config(run_dir: str, **overrides) -> RunConfig:
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     values = {k: v for k, v in stored.items() if k in fields}
     values["method_args"] = tuple(tuple(p) for p in values.get("method_args", ()))
+    values["plugins"] = tuple(values.get("plugins", ()))
     values.update(overrides, out=run_dir)
     return RunConfig(**values)
 

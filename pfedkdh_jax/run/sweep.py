@@ -52,7 +52,7 @@ import shutil
 from typing import Any, Callable
 
 from pfedkdh_jax.algorithms import METHODS
-from pfedkdh_jax.run.config import ConfigError, RunConfig, make_config
+from pfedkdh_jax.run.config import ConfigError, RunConfig, make_config, plugins
 
 # RunConfig fields that only some methods read (a --grid over one of them applies to those methods)
 _METHOD_FIELDS = {o for spec in METHODS.values() for o in spec.run_options}
@@ -86,6 +86,8 @@ def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", 
             raise ConfigError(f"--{name} lists a value twice: {', '.join(map(str, values))}")
         return values
     options = dict(options or {})
+    if "plugins" in options:   # methods of one's own registered before the points are built
+        options["plugins"] = plugins(options["plugins"])
     for key in options:
         if key in _AXES:
             raise ConfigError(f"{key!r} is an axis of the sweep (--{key}s / --seeds), not a run option")
