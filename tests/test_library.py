@@ -284,6 +284,12 @@ def test_register_method_names_what_it_cannot_take(registry):
     assert p.make_method("mine", small_model(), width=2).config.width == 2
     with pytest.raises(p.OptionError, match="MineConfig.width must be >= 1; got 0"):
         p.make_method("mine", small_model(), width=0)
+    # a run builds it over the run's CNN and budget, or with a factory of one's own (another model)
+    built = p.build_algorithm(p.make_config(method="mine", lr=0.05, method_args=(("width", "3"),)), 10)
+    assert isinstance(built.model, p.CNN) and (built.config.lr, built.config.width) == (0.05, 3)
+    p.register_method("mine_small", Mine, MineConfig,
+                      factory=lambda cfg, classes, args: Mine(small_model(), MineConfig(lr=cfg.lr, **args)))
+    assert isinstance(p.build_algorithm(p.make_config(method="mine_small"), 10).model, p.LinenModel)
 
 
 def test_injected_optimizer_and_a_stackable_learning_rate(digits):
