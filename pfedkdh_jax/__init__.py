@@ -42,6 +42,7 @@ _EXPORTS = {
     "Layout": "engine.layout", "Workload": "engine.layout", "LocalTrainer": "engine.local", "LocalState": "engine.local",
     "make_round": "engine.round", "make_evaluate": "engine.evaluate", "select_clients": "engine.round",
     "RoundRunner": "engine.runner", "PhasedRunner": "engine.runner", "sample_schedule": "engine.runner",
+    "check_method": "engine.conformance", "ProtocolError": "engine.conformance",
     # runs
     "RunConfig": "run.config", "ConfigError": "run.config", "make_config": "run.config",
     "run": ("run.experiment", "run"),

@@ -3,6 +3,7 @@ name, and the pure pieces inside a user's own ``jit`` / ``lax.scan``."""
 
 import dataclasses
 import importlib.metadata
+import importlib.util
 import json
 import pathlib
 
@@ -410,3 +411,39 @@ def test_the_run_config_takes_pfedkdh_options_and_defaults_from_its_config():
     cfg = p.make_config(lam=0.3, kd_gate="confidence")
     algo = p.build_algorithm(cfg, 10)
     assert (algo.config.lam, algo.config.kd_gate, algo.config.mu) == (0.3, "confidence", kdh.mu)
+
+
+def test_check_method_passes_a_sound_method_and_names_what_a_broken_one_breaks(registry):
+    import sys
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "examples" / "own_method.py"
+    spec = importlib.util.spec_from_file_location("own_method_checked", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["own_method_checked"] = mod
+    spec.loader.exec_module(mod)
+    pool = load_pool("digits")
+    data = p.from_arrays(pool.images[:300], pool.labels[:300], num_clients=4, alpha=1.0, aux_size=30, seed=0)
+    model = p.LinenModel(mod.MLP(), nn.Dense(10))
+    config = mod.FedPerMConfig(local_epochs=1, batch_size=16)
+    scores = p.check_method(mod.FedPerM(model, config), data)     # every check
+    assert 0 <= float(scores["personalized_macro_accuracy"]) <= 1
+
+    @dataclasses.dataclass(frozen=True)
+    class HostNoise(mod.FedPerM):   # a number drawn in Python: fixed when traced, so each layout has its own
+        @property
+        def trainer(self):
+            t = super().trainer
+            scale = float(np.random.default_rng().uniform(0.5, 1.5))
+            return dataclasses.replace(t, loss_fn=lambda *a: scale * t.loss_fn(*a))
+    with pytest.raises(p.ProtocolError, match=r"check_method\(HostNoise\): Layout\('sequential', 'unrolled'\) "
+                                              r"against Layout\('vmap', 'scan'\), the state: .* differs by"):
+        p.check_method(HostNoise(model, config), data, checks=("layouts",))
+
+    @dataclasses.dataclass(frozen=True)
+    class FloatRound(mod.FedPerM):  # the round count comes back a float: the second round compiles again
+        def server_update_from_mean(self, *args):
+            state, metrics = super().server_update_from_mean(*args)
+            return state.replace(round=state.round.astype(jnp.float32)), metrics
+    with pytest.raises(p.ProtocolError, match=r"check_method\(FloatRound\): a round compiled again"):
+        p.check_method(FloatRound(model, config), data, checks=("retrace",))
+    with pytest.raises(ValueError, match="check_method: no check 'speed'"):
+        p.check_method(FloatRound(model, config), data, checks=("speed",))

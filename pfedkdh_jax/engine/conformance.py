@@ -1,0 +1,200 @@
+"""``check_method(algo, data)``: does a method keep the protocol's promises? For the author of a method.
+
+The engine runs a method's pure pieces under several layouts (clients ``vmap``-ed or one after
+another, steps in a ``lax.scan`` or unrolled), with repetitions ``vmap``-ed over a leading axis, and
+from the host runner's compiled pieces; it may donate the state. All of that computes the same numbers
+only if the method is pure and shape-static: no Python side effects, no value read on the host, no
+client reading another client's values, no shape that depends on which clients were selected. A
+method that breaks one of these may still run and give numbers that depend on the layout; this
+check finds it on a few rounds of your data, with a message naming what differs and where.
+
+Each check runs ``rounds`` jitted rounds (entering each later phase as a runner does) and compares:
+
+=====================  ===================================================================================
+``layouts``            the pure round under each layout gives the same states, losses and evaluation
+``retrace``            nothing compiles again after a phase's first round
+``repetitions``        two seeds vmapped over a leading axis give what each gives alone
+``runner``             :class:`~pfedkdh_jax.engine.runner.PhasedRunner` (the command line's host loop)
+                       gives what the pure round gives
+``evaluation``         the evaluation's metrics exist and accuracies lie in [0, 1]
+=====================  ===================================================================================
+
+Floating-point results are compared to ``tol`` (layouts reorder float32 sums: ~1e-5 after a few
+rounds of small steps; an optimizer that normalises its steps, such as Adam, can turn that round-off
+into steps of the learning rate's size: FedFed's VAE passes at ``tol=3e-3``, not at 1e-4). The test suite runs it over a method written outside the package
+(``experiments/examples/own_method.py``) and over broken ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.engine.evaluate import make_evaluate
+from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.engine.local import tree_stack
+from pfedkdh_jax.engine.protocol import Algorithm
+from pfedkdh_jax.engine.round import check_state_clients, make_round, select_clients
+
+CHECKS = ("layouts", "retrace", "repetitions", "runner", "evaluation")
+LAYOUTS = (("vmap", "scan"), ("sequential", "unrolled"))
+
+
+class ProtocolError(AssertionError):
+    """A promise of the protocol a method does not keep; the message says which and where."""
+
+
+def _path(path) -> str:
+    return jax.tree_util.keystr(path) or "(the whole value)"
+
+
+def _compare(what: str, a, b, tol: float, hint: str) -> None:
+    """``ProtocolError`` at the first leaf of ``a`` and ``b`` (same structure) that differ beyond ``tol``."""
+    sa, sb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
+    if sa != sb:
+        raise ProtocolError(f"{what}: the results differ in structure ({sa} against {sb}); {hint}")
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape:
+            raise ProtocolError(f"{what}: {_path(path)} has shape {x.shape} against {y.shape}; {hint}")
+        if np.issubdtype(x.dtype, np.floating):
+            gap = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)), initial=0.0))
+            scale = float(np.max(np.abs(y.astype(np.float64)), initial=0.0))
+            if not gap <= tol * max(1.0, scale):
+                raise ProtocolError(f"{what}: {_path(path)} differs by {gap:.3g} (tolerance {tol:g}); {hint}")
+        elif not np.array_equal(x, y):
+            raise ProtocolError(f"{what}: {_path(path)} differs; {hint}")
+
+
+@dataclasses.dataclass
+class _Run:
+    state: Any
+    metrics: list
+    traces: dict
+
+
+def _pure_rounds(algo: Algorithm, data: FederatedData, layout, schedule, keys, seed: int) -> _Run:
+    """Jitted rounds of each phase's pure round function, entering later phases as a runner does."""
+    traces: dict[int, int] = {}
+    state = algo.init(jax.random.key(seed), data)
+    metrics, t = [], 0
+    for i, phase in enumerate(algo.phases):
+        pieces = make_round(phase.algorithm, Layout(*layout, chunk_steps=2))
+
+        def counted(*args, fn=pieces, i=i):
+            traces[i] = traces.get(i, 0) + 1
+            return fn(*args)
+        step = jax.jit(counted)
+        for _ in range(len(schedule) - t if phase.rounds is None else phase.rounds):
+            if t == len(schedule):
+                break
+            if _ == 0 and t > 0 and phase.enter is not None:
+                state = jax.jit(phase.enter)(state, data, _enter_key(keys[t], i))
+            state, m = step(state, data, jnp.asarray(schedule[t]), keys[t])
+            metrics.append(m)
+            t += 1
+    return _Run(state, metrics, traces)
+
+
+def _enter_key(key, phase: int):
+    from pfedkdh_jax.engine.runner import _phase_key   # the runner's own, so both enter alike
+    return _phase_key(key, phase)
+
+
+def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clients_per_round: int = 2,
+                 checks=CHECKS, tol: float = 1e-4, seed: int = 0) -> dict:
+    """Run ``algo`` for ``rounds`` rounds of ``clients_per_round`` clients on ``data`` in every way the
+    engine runs a method and check they agree (module docstring); ``checks`` picks some of
+    :data:`CHECKS`. Returns the evaluation of the reference run (layout vmap + scan); raises
+    :class:`ProtocolError` naming the first promise broken. Small data and few steps keep it quick
+    (each check compiles the round again)."""
+    unknown = sorted(set(checks) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"check_method: no check {unknown[0]!r}; the checks: {', '.join(CHECKS)}")
+    k = data.num_clients
+    if not 1 <= clients_per_round <= k:
+        raise ValueError(f"check_method: clients_per_round must be in [1, {k}]; got {clients_per_round}")
+    name = type(algo).__name__
+    base = jax.random.key(seed + 1)
+    schedule = [np.asarray(select_clients(jax.random.fold_in(base, t), k, clients_per_round)) for t in range(rounds)]
+    keys = [jax.random.fold_in(jax.random.key(seed + 2), t) for t in range(rounds)]
+    check_state_clients(algo, algo.init(jax.random.key(seed), data), data, f"check_method({name})")
+    last = algo.phases[-1].algorithm
+
+    ref = _pure_rounds(algo, data, LAYOUTS[0], schedule, keys, seed)
+    evaluate = jax.jit(make_evaluate(last, Layout(*LAYOUTS[0], chunk_steps=2)), static_argnums=3)
+    scores = evaluate(ref.state, data, jax.random.key(seed + 3), True)
+    if "retrace" in checks and set(ref.traces.values()) != {1}:
+        raise ProtocolError(f"check_method({name}): a round compiled again (traces per phase {ref.traces}): its "
+                            "state's structure, shapes or dtypes change from round to round, or a static "
+                            "field does")
+    if "evaluation" in checks:
+        for key in ("personalized_macro_accuracy", "personalized_micro_accuracy"):
+            if key not in scores:
+                raise ProtocolError(f"check_method({name}): the evaluation has no {key} (eval_models must give "
+                                    "heads [K, ...] to score each client's test split)")
+        for key, value in scores.items():
+            value = np.asarray(value, np.float64)
+            if key.endswith("accuracy") and not (np.nanmin(value, initial=0.0) >= 0.0
+                                                 and np.nanmax(value, initial=1.0) <= 1.0):
+                raise ProtocolError(f"check_method({name}): {key} = {value} is not in [0, 1]")
+        for t, m in enumerate(ref.metrics):
+            if "train_loss" not in m:
+                raise ProtocolError(f"check_method({name}): round {t}'s metrics have no train_loss")
+    if "layouts" in checks:
+        for layout in LAYOUTS[1:]:
+            other = _pure_rounds(algo, data, layout, schedule, keys, seed)
+            hint = ("its clients' work depends on how they are laid out (a Python side effect, a value read "
+                    "on the host, or a client reading another client's values?)")
+            where = f"check_method({name}): Layout{layout} against Layout{LAYOUTS[0]}"
+            _compare(where + ", the state", other.state, ref.state, tol, hint)
+            _compare(where + ", the round's metrics", other.metrics, ref.metrics, tol, hint)
+            if "retrace" in checks and set(other.traces.values()) != {1}:
+                raise ProtocolError(f"check_method({name}): a round compiled again under Layout{layout} "
+                                    f"(traces per phase {other.traces})")
+    if "repetitions" in checks:
+        _check_repetitions(algo, data, schedule, keys, seed, tol, name)
+    if "runner" in checks:
+        from pfedkdh_jax.engine.runner import PhasedRunner
+        layout = LAYOUTS[1]
+        pure = ref if layout == LAYOUTS[0] else _pure_rounds(algo, data, layout, schedule, keys, seed)
+        runner = PhasedRunner(algo, data, Layout(*layout, chunk_steps=2))
+        state = algo.init(jax.random.key(seed), data)
+        for t, sel in enumerate(schedule):
+            state, _ = runner.round(state, data, sel, keys[t], t)
+        _compare(f"check_method({name}): the host runner (PhasedRunner) against the pure round, the state",
+                 state, pure.state, tol * 3, "the runner calls the pieces one by one: a piece that is not pure, "
+                 "or a round_start whose result server_update needs?")
+    return scores
+
+
+def _check_repetitions(algo, data, schedule, keys, seed, tol, name) -> None:
+    """Two seeds as repetitions vmapped over a leading axis, against each one alone."""
+    seeds = (seed, seed + 5)
+    other = [np.roll(s, 1) for s in schedule]                  # the second repetition's own clients
+    plans = {seeds[0]: schedule, seeds[1]: other}
+    state = tree_stack([algo.init(jax.random.key(s), data) for s in seeds])
+    t = 0
+    for i, phase in enumerate(algo.phases):
+        batched = jax.jit(jax.vmap(make_round(phase.algorithm, Layout(*LAYOUTS[1], chunk_steps=2)),
+                                   in_axes=(0, None, 0, 0)))
+        for _ in range(len(schedule) - t if phase.rounds is None else phase.rounds):
+            if t == len(schedule):
+                break
+            rep_keys = jnp.stack([jax.random.fold_in(keys[t], s) for s in seeds])
+            if _ == 0 and t > 0 and phase.enter is not None:
+                enter_keys = jnp.stack([_enter_key(k, i) for k in rep_keys])
+                state = jax.jit(jax.vmap(phase.enter, in_axes=(0, None, 0)))(state, data, enter_keys)
+            sel = jnp.asarray(np.stack([plans[s][t] for s in seeds]))
+            state, _ = batched(state, data, sel, rep_keys)
+            t += 1
+    for r, s in enumerate(seeds):
+        alone = _pure_rounds(algo, data, LAYOUTS[1], plans[s], [jax.random.fold_in(k, s) for k in keys], s)
+        _compare(f"check_method({name}): repetition {r} of two vmapped against its run alone, the state",
+                 jax.tree_util.tree_map(lambda x: x[r], state), alone.state, tol,
+                 "a repetition's round depends on the other's (a reduction over the leading axis?)")
