@@ -24,15 +24,19 @@ def load(name):
     ("lr_seed_grid", ["--rounds", "2", "--lrs", "0.0,0.05", "--seeds", "1", "--clients", "4", "--model", "mlp"]),
     ("natural_partition", ["--rounds", "3", "--writers", "4"]),
     ("own_method", ["--rounds", "2", "--clients", "4", "--model", "mlp"]),
+    ("own_data", ["--rounds", "1", "--clients", "4"]),
 ])
-def test_example_runs(name, argv):
+def test_example_runs(name, argv, tmp_path):
     from pfedkdh_jax.algorithms import METHODS
-    registered = dict(METHODS)
+    from pfedkdh_jax.data import sources
+    registered, datasets = dict(METHODS), dict(sources._REGISTERED)
     try:
-        out = load(name).main(argv)
-    finally:   # own_method registers a method on import: the registry as it was for the other tests
+        out = load(name).main(argv + (["--out", str(tmp_path)] if name == "own_data" else []))
+    finally:   # own_method and own_data register on import: the registries as they were for the other tests
         METHODS.clear()
         METHODS.update(registered)
+        sources._REGISTERED.clear()
+        sources._REGISTERED.update(datasets)
     if name == "resnet_adamw":
         assert set(out) == {"pfedkdh"} and all(0 <= r["personalized_macro_accuracy"] <= 1 for r in out.values())
         assert "ea" in out["pfedkdh"]
@@ -41,6 +45,9 @@ def test_example_runs(name, argv):
     elif name == "lr_seed_grid":
         assert set(out) == {"lr=0.0 seed=0", "lr=0.05 seed=0"}
         assert out["lr=0.05 seed=0"] > out["lr=0.0 seed=0"]     # a learning rate of 0 learns nothing
+    elif name == "own_data":
+        assert set(out) == {"fedper", "fedavg"} and all(0 <= v <= 1 for v in out.values())
+        assert (tmp_path / "fedper" / "summary.json").exists()
     elif name == "own_method":    # server lr 1 without momentum: FedPer's round, to float rounding
         assert out["same_as_fedper"] < 1e-6 and 0 <= out["fedperm"] <= 1 and 0 <= out["fedper"] <= 1
     else:

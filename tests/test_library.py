@@ -262,6 +262,30 @@ def test_a_method_of_ones_own_runs_from_the_command_line_and_resumes(registry, t
         p.make_config(method="fedperm", plugins=("no_such_module",))
 
 
+def test_a_dataset_of_ones_own_is_a_run_option(registry):
+    from pfedkdh_jax.data import DataError, sources
+    from pfedkdh_jax.run.config import ConfigError
+    before = dict(sources._REGISTERED)
+    try:
+        with pytest.raises(ConfigError, match=r"--dataset must be one of .*; got 'blobs' \(a dataset of one's own: "
+                                              r"register_dataset in a module given by --plugin\)"):
+            p.make_config(dataset="blobs")
+        pool = load_pool("digits")
+        p.register_dataset("blobs", lambda: p.pool_from_arrays(pool.images[:500], pool.labels[:500]))
+        cfg = p.make_config(dataset="blobs", method="fedper", num_clients=4, aux_size=50)
+        got = load_pool(cfg.dataset)
+        assert got.name == "blobs" and got.images.shape == (500, 28, 28, 1) and got.normalize
+        with pytest.raises(DataError, match="'mnist' is one of the package's datasets"):
+            p.register_dataset("mnist", lambda: pool)
+        p.register_dataset("broken", lambda: (pool.images, pool.labels))
+        with pytest.raises(DataError, match=r"dataset 'broken': its load\(\) must return a pfedkdh_jax Pool"):
+            load_pool("broken")
+    finally:
+        sources._REGISTERED.clear()
+        sources._REGISTERED.update(before)
+        sources._LOADED.clear()
+
+
 def test_register_method_names_what_it_cannot_take(registry):
     @dataclasses.dataclass(frozen=True)
     class MineConfig(p.LocalConfig):

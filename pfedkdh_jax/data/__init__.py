@@ -2,8 +2,9 @@
 
 =========================  ==========================================================================
 :mod:`.sources`            ``load_pool`` (tfds ArrayRecord dirs, the ``digits`` demo set, the
-                           ``synthetic`` set of any size), the decoded cache, ``pool_from_arrays``
-                           (a user's arrays), ``synthetic_images``, ``normalize``, ``DataError``
+                           ``synthetic`` set of any size, a user's ``register_dataset``), the decoded
+                           cache, ``pool_from_arrays`` (a user's arrays), ``synthetic_images``,
+                           ``normalize``, ``DataError``
 :mod:`.partition`          ``make_partition`` (D_s, Dirichlet clients, train/test splits),
                            ``shards_partition`` (label-sorted shards), ``natural_partition`` (a
                            client id per sample), ``validation_partition``,
@@ -25,12 +26,13 @@ from pfedkdh_jax.data.partition import (Partition, evaluation_clients, evaluatio
                                         make_partition, natural_partition,
                                         padded_index_table, partition_summary, shards_partition,
                                         validation_partition)
-from pfedkdh_jax.data.sources import (DATASETS, DataError, Pool, load_pool, normalize, pool_from_arrays,
-                                      resolve_data_dir, synthetic_images)
+from pfedkdh_jax.data.sources import (DATASETS, DataError, Pool, dataset_names, load_pool, normalize,
+                                      pool_from_arrays, register_dataset, resolve_data_dir, synthetic_images)
 
 _DEVICE = ("FederatedData", "build_federated_data", "gather_inputs", "from_arrays")
 
-__all__ = ["DATASETS", "DataError", "Pool", "Partition", "load_pool", "normalize", "resolve_data_dir",
+__all__ = ["DATASETS", "DataError", "Pool", "Partition", "dataset_names", "register_dataset", "load_pool",
+           "normalize", "resolve_data_dir",
            "pool_from_arrays", "synthetic_images", "make_partition", "shards_partition", "natural_partition", "validation_partition",
            "evaluation_clients", "evaluation_view",
            "partition_summary", "format_summary",

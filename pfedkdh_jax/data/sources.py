@@ -22,7 +22,7 @@ import json
 import os
 import tempfile
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -140,12 +140,51 @@ def resolve_data_dir(data_dir: str | None) -> str | None:
     return None
 
 
+# datasets of one's own (register_dataset): name -> a function returning its Pool
+_REGISTERED: dict[str, Callable[[], Pool]] = {}
+
+
+def register_dataset(name: str, load: Callable[[], Pool]) -> None:
+    """Make a dataset of your own a dataset of runs, sweeps and the command line (``--dataset name``,
+    with ``--plugin`` naming the module that calls this). ``load()`` returns its :class:`Pool`
+    (:func:`pool_from_arrays` of your arrays); it is called when a run loads the data, once a process.
+    The run partitions it as any other (``--alpha``, ``--clients``, ``--aux-size``: the paper preset's
+    |D_s| of 5000 needs a pool well above it). Registering a name again replaces one's own
+    registration; the package's datasets cannot be replaced."""
+    if not (isinstance(name, str) and name.isidentifier()):
+        raise DataError(f"register_dataset: the name must be an identifier (a --dataset value); got {name!r}")
+    if name in DATASETS:
+        raise DataError(f"register_dataset: {name!r} is one of the package's datasets; choose another name")
+    if not callable(load):
+        raise DataError(f"register_dataset({name!r}): load must be a function () -> Pool; got {type(load).__name__}")
+    _REGISTERED[name] = load
+    _LOADED.pop(name, None)
+
+
+_LOADED: dict[str, Pool] = {}
+
+
+def _registered_pool(name: str) -> Pool:
+    if name not in _LOADED:
+        pool = _REGISTERED[name]()
+        if not isinstance(pool, Pool):
+            raise DataError(f"dataset {name!r}: its load() must return a pfedkdh_jax Pool (pool_from_arrays(inputs, "
+                            f"labels)); got {type(pool).__name__}")
+        _LOADED[name] = dataclasses.replace(pool, name=name)
+    return _LOADED[name]
+
+
+def dataset_names() -> tuple[str, ...]:
+    """The package's datasets (:data:`DATASETS`), then those registered with :func:`register_dataset`."""
+    return DATASETS + tuple(n for n in _REGISTERED if n not in DATASETS)
+
+
 def load_pool(name: str, data_dir: str | None = None, cache_dir: str | None = None, *,
               samples: int | None = None) -> Pool:
     """Loads dataset ``name`` as a :class:`Pool` (official train split, then official test split).
 
     Args:
-        name: one of :data:`DATASETS`.
+        name: one of :data:`DATASETS`, or a name given to :func:`register_dataset`.
         data_dir: tfds data directory holding the prepared dataset; resolved by :func:`resolve_data_dir`
             and, when still unset, tfds's default directory.  Ignored for ``"digits"`` and ``"synthetic"``.
         cache_dir: where decoded arrays are cached; defaults to ``$PFEDKDH_CACHE_DIR``, else
@@ -158,8 +197,10 @@ def load_pool(name: str, data_dir: str | None = None, cache_dir: str | None = No
         DataError: for an unknown name, or when the dataset is not prepared in ArrayRecord format (the
             message says how to prepare it).
     """
+    if name in _REGISTERED:
+        return _registered_pool(name)
     if name not in DATASETS:
-        raise DataError(f"unknown dataset {name!r}; allowed values: {', '.join(DATASETS)}")
+        raise DataError(f"unknown dataset {name!r}; allowed values: {', '.join(dataset_names())}")
     if name == "digits":
         return _load_digits()
     if name == "synthetic":

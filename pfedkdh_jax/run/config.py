@@ -15,7 +15,7 @@ from typing import Any
 
 from pfedkdh_jax.algorithms import METHODS, PFEDKDH_OPTIONS, load_plugins, parse_method_args
 from pfedkdh_jax.algorithms.configs import OPTIMIZERS, LocalConfig, OptionError, PFedKDHConfig
-from pfedkdh_jax.data.sources import DATASETS
+from pfedkdh_jax.data.sources import dataset_names
 PRESETS = ("default", "paper", "smoke")
 
 # method.md Table 1: rounds and local epochs per dataset.
@@ -238,7 +238,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         parse_method_args(cfg.method, cfg.method_args, cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _check(cfg.dataset in DATASETS, f"--dataset must be one of {', '.join(DATASETS)}; got {cfg.dataset!r}")
+    names = dataset_names()
+    _check(cfg.dataset in names, f"--dataset must be one of {', '.join(names)}; got {cfg.dataset!r}"
+           + ("" if cfg.plugins else " (a dataset of one's own: register_dataset in a module given by --plugin)"))
     _check(cfg.alpha > 0, f"--alpha must be > 0; got {cfg.alpha}")
     _check(cfg.num_clients >= 2, f"--clients must be >= 2; got {cfg.num_clients}")
     _check(0 < cfg.participation <= 1, f"--participation must be in (0, 1]; got {cfg.participation}")
