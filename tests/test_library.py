@@ -6,6 +6,7 @@ import importlib.metadata
 import importlib.util
 import json
 import pathlib
+import typing
 
 import flax.linen as nn
 import jax
@@ -190,7 +191,7 @@ def test_a_state_built_on_other_data_is_named(digits):
     pool = load_pool("digits")
     six = p.from_arrays(pool.images[:600], pool.labels[:600], num_clients=6, alpha=1.0, aux_size=60, seed=0)
     state, key = algo.init(jax.random.key(0), digits), jax.random.key(1)   # 4 clients' heads
-    message = r"the state holds 4 clients \(its heads are \[4, ...\]\) but the data has 6"
+    message = r"the state holds 4 clients \(its evaluation heads are \[4, ...\]\) but the data has 6"
     with pytest.raises(ValueError, match="round: " + message):
         jax.jit(p.make_round(algo, p.Layout("vmap", "scan")))(state, six, jnp.array([4, 5]), key)
     with pytest.raises(ValueError, match="evaluate: " + message):
@@ -256,13 +257,25 @@ def test_a_method_of_ones_own_runs_from_the_command_line_and_resumes(registry, t
     with pytest.raises(ConfigError, match=r"got 'fedperm' \(a method of one's own: register_method in a module "
                                           r"given by --plugin\)"):
         p.make_config(method="fedperm")
+    # a run whose config.json names no plugin (started from Python) resumes with --plugin
+    stored = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**stored, "plugins": []}))
+    assert cli.main(["resume", str(out), "--no-progress"]) == 2
+    assert "got 'fedperm'" in capsys.readouterr().err
+    assert cli.main(["resume", str(out), "--plugin", plugin, "--no-progress"]) == 0
+    # the plugins are not part of a checkpoint's fingerprint: checkpoints written before they existed resume
+    from pfedkdh_jax.run.checkpoint import fingerprint
+    part = type("P", (), {"aux_idx": [0], "train_idx": [[1]], "test_idx": [[2]]})
+    fresh = p.RunConfig().to_dict()
+    assert fingerprint(fresh, part) == fingerprint({k: v for k, v in fresh.items() if k != "plugins"}, part)
+    del registry["fedperm"], sys.modules["pfedkdh_plugin_own_method"]
     assert cli.main(["run", "--plugin", plugin, "--method", "fedperm", "--method-arg", "momentum=1.5"]) == 2
     assert "--method-arg momentum must be in [0, 1) for fedperm; got 1.5" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"--plugin no_such_module: cannot import it"):
         p.make_config(method="fedperm", plugins=("no_such_module",))
 
 
-def test_a_dataset_of_ones_own_is_a_run_option(registry):
+def test_a_dataset_of_ones_own_is_a_run_option(registry, tmp_path):
     from pfedkdh_jax.data import DataError, sources
     from pfedkdh_jax.run.config import ConfigError
     before = dict(sources._REGISTERED)
@@ -277,6 +290,13 @@ def test_a_dataset_of_ones_own_is_a_run_option(registry):
         assert got.name == "blobs" and got.images.shape == (500, 28, 28, 1) and got.normalize
         with pytest.raises(DataError, match="'mnist' is one of the package's datasets"):
             p.register_dataset("mnist", lambda: pool)
+        # float features the paper's CNN does not take: the dataset names its model
+        feats = pool.images[:400].reshape(400, -1).astype(np.float32) / 255.0
+        p.register_dataset("feats", lambda: p.pool_from_arrays(feats, pool.labels[:400]),
+                           model=lambda classes: p.LinenModel(nn.Dense(32), nn.Dense(classes)))
+        summary = p.run(p.make_config("smoke", dataset="feats", method="fedper", rounds=1, num_clients=4,
+                                      aux_size=40, out=str(tmp_path / "feats")), progress=False, log=lambda *_: None)
+        assert 0 <= summary["personalized_macro_accuracy"] <= 1
         p.register_dataset("broken", lambda: (pool.images, pool.labels))
         with pytest.raises(DataError, match=r"dataset 'broken': its load\(\) must return a pfedkdh_jax Pool"):
             load_pool("broken")
@@ -284,12 +304,15 @@ def test_a_dataset_of_ones_own_is_a_run_option(registry):
         sources._REGISTERED.clear()
         sources._REGISTERED.update(before)
         sources._LOADED.clear()
+        sources._MODELS.clear()
 
 
 def test_register_method_names_what_it_cannot_take(registry):
-    @dataclasses.dataclass(frozen=True)
+    @dataclasses.dataclass(frozen=True)   # (this module's annotations are types, not text)
     class MineConfig(p.LocalConfig):
         width: int = p.option(4, "a width", lambda v: v >= 1, ">= 1")
+        clip: typing.Optional[float] = p.option(None, "a clip, or none")
+        scale: float = p.option(1, "a scale (an int default)")
 
     @dataclasses.dataclass(frozen=True)
     class Mine(p.Algorithm):
@@ -304,8 +327,25 @@ def test_register_method_names_what_it_cannot_take(registry):
         p.register_method("mine", Mine, dict)
     with pytest.raises(ValueError, match="table_metric must be one of"):
         p.register_method("mine", Mine, MineConfig, table_metric="accuracy")
+    with pytest.raises(TypeError, match="algorithm must be a class deriving from pfedkdh_jax.Algorithm"):
+        p.register_method("mine", int, MineConfig)
+
+    class Bare(p.Algorithm):
+        pass
+    with pytest.raises(TypeError, match=r"a run builds Bare\(model, config\), which its signature \(\) does not "
+                                        r"take: .* or pass factory="):
+        p.register_method("bare", Bare, MineConfig)
     spec = p.register_method("mine", Mine, MineConfig)
-    assert spec.args == {"width": 4} and spec.class_name == "Mine"
+    assert spec.args == {"width": 4, "clip": None, "scale": 1} and spec.class_name == "Mine"
+    with pytest.raises(p.OptionError, match="MineConfig.width must be an int; got '3'"):
+        MineConfig(width="3")
+    from pfedkdh_jax.algorithms import parse_method_args
+    assert parse_method_args("mine", [("clip", "1.5"), ("scale", "0.5")]) == {"width": 4, "clip": 1.5, "scale": 0.5}
+    assert parse_method_args("mine", [("clip", "none")])["clip"] is None
+    with pytest.raises(ValueError, match=r"--method-arg width='2.5': expected int"):
+        parse_method_args("mine", [("width", "2.5")])
+    cfg = p.make_config(preset="smoke", method="mine", method_args={"width": 2})
+    assert cfg.rounds == 2 and cfg.method_args == (("width", "2"),)
     assert p.make_method("mine", small_model(), width=2).config.width == 2
     with pytest.raises(p.OptionError, match="MineConfig.width must be >= 1; got 0"):
         p.make_method("mine", small_model(), width=0)

@@ -71,6 +71,11 @@ class MethodSpec:
         return {f.name: f.default for f in self.config.own_options()}
 
     @property
+    def option_kinds(self) -> dict[str, list[str]]:
+        """``--method-arg`` name -> the names its annotation allows (``["float", "None"]``)."""
+        return {f.name: _c.annotation_names(f.type) for f in self.config.own_options()} if self.method_args else {}
+
+    @property
     def traced(self) -> tuple[str, ...]:
         """RunConfig fields that stacked runs may differ in (the config's ``TRACEABLE``)."""
         return tuple(self.config.TRACEABLE)
@@ -133,6 +138,27 @@ METHODS: dict[str, MethodSpec] = {
 }
 
 
+def _parse_option(key: str, text, kinds: list[str]):
+    """A ``--method-arg`` value from its text, by the field's annotation (``kinds``: the names it
+    allows, e.g. ``["float", "None"]``); a value that is not text is taken as it is."""
+    if not isinstance(text, str):
+        return text
+    if "None" in kinds and text.lower() == "none":
+        return None
+    for kind in kinds:
+        try:
+            if kind == "bool":
+                if text.lower() in ("1", "0", "true", "false", "yes", "no"):
+                    return text.lower() in ("1", "true", "yes")
+            elif kind in ("int", "float", "str"):
+                return {"int": int, "float": float, "str": str}[kind](text)
+        except ValueError:
+            continue
+    if not any(k in ("bool", "int", "float", "str") for k in kinds):
+        return text
+    raise ValueError(f"--method-arg {key}={text!r}: expected {' or '.join(kinds)}")
+
+
 def parse_method_args(method: str, pairs, cfg=None) -> dict[str, Any]:
     """``[(key, text), ...]`` -> typed dict over the method's defaults (checked against the run
     config ``cfg`` too when given). Raises ValueError (one line)."""
@@ -142,17 +168,7 @@ def parse_method_args(method: str, pairs, cfg=None) -> dict[str, Any]:
         if key not in spec.args:
             allowed = ", ".join(sorted(spec.args)) or "none"
             raise ValueError(f"--method-arg {key!r} is not an option of {method} (allowed: {allowed})")
-        default = spec.args[key]
-        try:
-            if isinstance(default, bool):
-                if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                    raise ValueError
-                value = text.lower() in ("1", "true", "yes")
-            else:
-                value = type(default)(text)
-        except ValueError:
-            raise ValueError(f"--method-arg {key}={text!r}: expected {type(default).__name__}") from None
-        out[key] = value
+        out[key] = _parse_option(key, text, spec.option_kinds[key])
     fields = {f.name: f for f in spec.config.own_options()}
     for key, value in out.items():
         check = fields[key].metadata.get("check")
@@ -171,7 +187,7 @@ def build(cfg, num_classes: int):
         return spec.factory(cfg, num_classes, args)
     if spec.algorithm is not None:   # a registered class over the run's model and budget
         from pfedkdh_jax.algorithms import common
-        return spec.algorithm(common.cnn(cfg, num_classes), spec.config(**common.local_config(cfg), **args))
+        return spec.algorithm(common.run_model(cfg, num_classes), spec.config(**common.local_config(cfg), **args))
     return importlib.import_module(spec.module).from_config(cfg, num_classes, args)
 
 
@@ -198,8 +214,18 @@ def register_method(name: str, algorithm: type, config: type, *, summary: str = 
         raise ValueError(f"register_method: the name must be a lower-case identifier (a --method value); got {name!r}")
     if name in BUILT_IN:
         raise ValueError(f"register_method: {name!r} is one of the package's methods; choose another name")
-    if not isinstance(algorithm, type):
-        raise TypeError(f"register_method({name!r}): algorithm must be a class; got {type(algorithm).__name__}")
+    from pfedkdh_jax.engine.protocol import Algorithm   # (a method's module imports JAX anyway)
+    if not (isinstance(algorithm, type) and issubclass(algorithm, Algorithm)):
+        raise TypeError(f"register_method({name!r}): algorithm must be a class deriving from pfedkdh_jax.Algorithm; "
+                        f"got {algorithm!r}")
+    if factory is None:
+        import inspect
+        try:
+            inspect.signature(algorithm).bind(None, None)
+        except (TypeError, ValueError):
+            raise TypeError(f"register_method({name!r}): a run builds {algorithm.__name__}(model, config), which its "
+                            f"signature {inspect.signature(algorithm)} does not take: give it fields model and "
+                            f"config, or pass factory=(run_config, num_classes, method_args) -> algorithm") from None
     if not (isinstance(config, type) and issubclass(config, _c.LocalConfig) and dataclasses.is_dataclass(config)):
         raise TypeError(f"register_method({name!r}): config must be a dataclass deriving from "
                         f"pfedkdh_jax.LocalConfig (its fields declared with pfedkdh_jax.option); got {config!r}")
@@ -238,9 +264,11 @@ def load_plugins(names) -> None:
         else:
             try:
                 importlib.import_module(name)
-            except ImportError as e:
+            except (ImportError, TypeError, ValueError) as e:
                 raise ValueError(f"--plugin {name}: cannot import it ({e}); give a module on the Python path "
-                                 f"or a .py file's path") from None
+                                 f"(PYTHONPATH) by its dotted name, or a .py file's path") from None
+            except Exception as e:
+                raise ValueError(f"--plugin {name}: importing it failed: {type(e).__name__}: {e}") from None
 
 
 def make_method(name: str, model, **options):

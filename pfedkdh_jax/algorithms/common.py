@@ -19,6 +19,7 @@ import optax
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms.configs import LocalConfig
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
+from pfedkdh_jax.data.sources import dataset_model
 from pfedkdh_jax.engine import client_rows
 from pfedkdh_jax.engine.client_rows import ClientRows
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
@@ -97,9 +98,13 @@ class NamedOptimizer:
         return optax.chain(optax.add_decayed_weights(wd), base) if wd else base
 
 
-def cnn(cfg, num_classes: int) -> CNN:
-    """The run's model: method.md's CNN with ``cfg.dropout`` and ``cfg.conv_form`` (``auto``, not
-    resolved by the run for its layout, is the model's own: :func:`~pfedkdh_jax.model.auto_conv_form`)."""
+def run_model(cfg, num_classes: int) -> Model:
+    """The run's model: the one registered with its dataset (``register_dataset(..., model=)``), else
+    method.md's CNN with ``cfg.dropout`` and ``cfg.conv_form`` (``auto``, not resolved by the run for its
+    layout, is the model's own: :func:`~pfedkdh_jax.model.auto_conv_form`)."""
+    registered = dataset_model(getattr(cfg, "dataset", None), num_classes)
+    if registered is not None:
+        return registered
     return CNN(num_classes, cfg.dropout, getattr(cfg, "conv_form", "auto"))
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import types
+import typing
 from typing import Any, Callable, ClassVar
 
 KD_TARGETS = ("plain", "support", "prior")
@@ -66,10 +68,29 @@ _KINDS = {"int": (lambda v: isinstance(v, numbers.Integral) and not _is_bool(v),
           "bool": (_is_bool, "True or False")}
 
 
-def _kind_error(annotation: str, value) -> str | None:
+def annotation_names(annotation) -> list[str]:
+    """The names a field's annotation allows, e.g. ``["float", "None"]``: from its text (a module with
+    ``from __future__ import annotations``: ``"float | None"``, ``"Optional[float]"``) or from the types
+    themselves (``float``, ``float | None``, ``typing.Optional[float]``)."""
+    if isinstance(annotation, str):
+        text = annotation.replace("typing.", "").strip()
+        if text.startswith("Optional[") and text.endswith("]"):
+            return [p.strip() for p in text[len("Optional["):-1].split("|")] + ["None"]
+        if text.startswith("Union[") and text.endswith("]"):
+            return [p.strip() for p in text[len("Union["):-1].split(",")]
+        return [p.strip() for p in text.split("|")]
+    args = typing.get_args(annotation)
+    if args and typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [n for a in args for n in annotation_names(a)]
+    if annotation is type(None) or annotation is None:
+        return ["None"]
+    return [getattr(annotation, "__name__", str(annotation))]
+
+
+def _kind_error(annotation, value) -> str | None:
     """What ``value`` should be under a field's ``annotation`` (``int``, ``float | None``, ``bool``, ...),
     or ``None`` when it is of that kind or the annotation names no kind checked here."""
-    parts = [p.strip() for p in str(annotation).split("|")]
+    parts = annotation_names(annotation)
     kinds = [_KINDS[p] for p in parts if p in _KINDS]
     if not kinds or (value is None and "None" in parts) or any(ok(value) for ok, _ in kinds):
         return None

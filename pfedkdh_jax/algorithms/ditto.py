@@ -117,4 +117,4 @@ class Ditto(Algorithm):
 
 def from_config(cfg, num_classes: int, args: dict) -> Ditto:
     """Ditto of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return Ditto(C.cnn(cfg, num_classes), DittoConfig(**C.local_config(cfg), **C.personal_rows(cfg, args)))
+    return Ditto(C.run_model(cfg, num_classes), DittoConfig(**C.local_config(cfg), **C.personal_rows(cfg, args)))

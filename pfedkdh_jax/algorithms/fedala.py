@@ -191,4 +191,4 @@ class FedALA(Algorithm):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedALA:
     """FedALA of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return FedALA(C.cnn(cfg, num_classes), FedALAConfig(**C.local_config(cfg), **C.personal_rows(cfg, args)))
+    return FedALA(C.run_model(cfg, num_classes), FedALAConfig(**C.local_config(cfg), **C.personal_rows(cfg, args)))

@@ -81,4 +81,4 @@ class FedAvg(Algorithm):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedAvg:
     """FedAvg of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return FedAvg(C.cnn(cfg, num_classes), FedAvgConfig(**C.local_config(cfg), **args))
+    return FedAvg(C.run_model(cfg, num_classes), FedAvgConfig(**C.local_config(cfg), **args))

@@ -103,4 +103,4 @@ class FedBABU(FedAvg):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedBABU:
     """FedBABU of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return FedBABU(C.cnn(cfg, num_classes), FedBABUConfig(**C.local_config(cfg), **args))
+    return FedBABU(C.run_model(cfg, num_classes), FedBABUConfig(**C.local_config(cfg), **args))

@@ -362,4 +362,4 @@ def gather_with_pool(data: FederatedData, idx: jax.Array, ctx: dict):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedFed:
     """FedFed of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return FedFed(C.cnn(cfg, num_classes), FedFedConfig(**C.local_config(cfg), **args))
+    return FedFed(C.run_model(cfg, num_classes), FedFedConfig(**C.local_config(cfg), **args))

@@ -81,4 +81,4 @@ class FedPer(Algorithm):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedPer:
     """FedPer of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return FedPer(C.cnn(cfg, num_classes), FedPerConfig(**C.local_config(cfg), **args))
+    return FedPer(C.run_model(cfg, num_classes), FedPerConfig(**C.local_config(cfg), **args))

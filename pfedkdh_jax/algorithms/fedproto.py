@@ -175,4 +175,4 @@ class FedProto(Algorithm):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedProto:
     """FedProto of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return FedProto(C.cnn(cfg, num_classes), FedProtoConfig(**C.local_config(cfg), **args))
+    return FedProto(C.run_model(cfg, num_classes), FedProtoConfig(**C.local_config(cfg), **args))

@@ -53,4 +53,4 @@ class FedProx(FedAvg):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedProx:
     """FedProx of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return FedProx(C.cnn(cfg, num_classes), FedProxConfig(**C.local_config(cfg), **args))
+    return FedProx(C.run_model(cfg, num_classes), FedProxConfig(**C.local_config(cfg), **args))

@@ -106,4 +106,4 @@ class FedRep(FedPer):
 
 def from_config(cfg, num_classes: int, args: dict) -> FedRep:
     """FedRep of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return FedRep(C.cnn(cfg, num_classes), FedRepConfig(**C.local_config(cfg), **args))
+    return FedRep(C.run_model(cfg, num_classes), FedRepConfig(**C.local_config(cfg), **args))

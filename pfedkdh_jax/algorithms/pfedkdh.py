@@ -301,5 +301,5 @@ def from_config(cfg, num_classes: int, args: dict) -> PFedKDH:
     from pfedkdh_jax.algorithms import PFEDKDH_OPTIONS
 
     del args
-    return PFedKDH(C.cnn(cfg, num_classes), PFedKDHConfig(
+    return PFedKDH(C.run_model(cfg, num_classes), PFedKDHConfig(
         **C.local_config(cfg), **{name: getattr(cfg, name) for name in PFEDKDH_OPTIONS}))

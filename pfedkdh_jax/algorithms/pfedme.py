@@ -147,4 +147,4 @@ class PFedMe(Algorithm):
 
 def from_config(cfg, num_classes: int, args: dict) -> PFedMe:
     """PFedMe of a run: the run's model, budget and optimizer, ``args`` its own options (``--method-arg``)."""
-    return PFedMe(C.cnn(cfg, num_classes), PFedMeConfig(**C.local_config(cfg), **C.personal_rows(cfg, args)))
+    return PFedMe(C.run_model(cfg, num_classes), PFedMeConfig(**C.local_config(cfg), **C.personal_rows(cfg, args)))

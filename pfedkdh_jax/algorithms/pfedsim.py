@@ -256,4 +256,4 @@ def from_config(cfg, num_classes: int, args: dict) -> PFedSim:
         # the clients a run trains after the warm-up, where that is fewer than K
         most = (cfg.rounds - config.warmup_rounds) * cfg.clients_per_round
         config = dataclasses.replace(config, personal_rows=most if 0 < most < cfg.num_clients else 0)
-    return PFedSim(C.cnn(cfg, num_classes), config)
+    return PFedSim(C.run_model(cfg, num_classes), config)

@@ -144,13 +144,15 @@ def resolve_data_dir(data_dir: str | None) -> str | None:
 _REGISTERED: dict[str, Callable[[], Pool]] = {}
 
 
-def register_dataset(name: str, load: Callable[[], Pool]) -> None:
+def register_dataset(name: str, load: Callable[[], Pool], *, model: Any = None) -> None:
     """Make a dataset of your own a dataset of runs, sweeps and the command line (``--dataset name``,
     with ``--plugin`` naming the module that calls this). ``load()`` returns its :class:`Pool`
     (:func:`pool_from_arrays` of your arrays); it is called when a run loads the data, once a process.
     The run partitions it as any other (``--alpha``, ``--clients``, ``--aux-size``: the paper preset's
-    |D_s| of 5000 needs a pool well above it). Registering a name again replaces one's own
-    registration; the package's datasets cannot be replaced."""
+    |D_s| of 5000 needs a pool well above it). ``model``: the model its runs train, a
+    :class:`~pfedkdh_jax.engine.protocol.Model` or a function ``num_classes -> Model`` (needed for data
+    the paper's CNN does not take: float features, images under 16×16); default the CNN. Registering a
+    name again replaces one's own registration; the package's datasets cannot be replaced."""
     if not (isinstance(name, str) and name.isidentifier()):
         raise DataError(f"register_dataset: the name must be an identifier (a --dataset value); got {name!r}")
     if name in DATASETS:
@@ -159,6 +161,21 @@ def register_dataset(name: str, load: Callable[[], Pool]) -> None:
         raise DataError(f"register_dataset({name!r}): load must be a function () -> Pool; got {type(load).__name__}")
     _REGISTERED[name] = load
     _LOADED.pop(name, None)
+    if model is None:
+        _MODELS.pop(name, None)
+    else:
+        _MODELS[name] = model
+
+
+_MODELS: dict[str, Any] = {}   # a registered dataset's model, or a function num_classes -> model
+
+
+def dataset_model(name: str | None, num_classes: int):
+    """The model registered with dataset ``name`` (``None``: none was, the run's CNN)."""
+    model = _MODELS.get(name)
+    if model is not None and not all(callable(getattr(model, f, None)) for f in ("init", "features")):
+        model = model(num_classes)   # a function of the number of classes
+    return model
 
 
 _LOADED: dict[str, Pool] = {}

@@ -181,8 +181,9 @@ def check_state_clients(algo: Algorithm, state, data: FederatedData, where: str,
         return
     k = heads[0].shape[1 if rep_axis else 0]
     if k != data.num_clients:
-        raise ValueError(f"{where}: the state holds {k} clients (its heads are [{k}, ...]) but the data has "
-                         f"{data.num_clients}: build the state with algo.init(key, data) on the data it runs on")
+        raise ValueError(f"{where}: the state holds {k} clients (its evaluation heads are [{k}, ...]) but the data "
+                         f"has {data.num_clients}: build the state with algo.init(key, data) on the data it runs on "
+                         f"(or, writing a method, give EvalModels heads stacked per client, [K, ...])")
 
 
 def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:

@@ -31,7 +31,8 @@ PREFIX = "round_"
 # conv_form: the same model computed another way (the same numbers up to float rounding; and runs
 # checkpointed before the option existed stay resumable)
 _NOT_FINGERPRINTED = ("out", "data_dir", "cache_dir", "rounds", "eval_chunk", "client_devices", "conv_form",
-                      "slot_granule", "fused_steps")   # engine forms: the same steps, other float rounding
+                      "slot_granule", "fused_steps",   # engine forms: the same steps, other float rounding
+                      "plugins")                       # where a method of one's own lives (a path), not what it does
 
 
 class CheckpointError(RuntimeError):

@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     res = sub.add_parser("resume", help="continue an interrupted run from its newest good checkpoint")
     res.add_argument("run_dir")
+    res.add_argument("--plugin", dest="plugins", action="append", default=None, metavar="MODULE",
+                     help="the modules registering the run's method or dataset, when its config.json does not "
+                          "name them (a run started from Python) or they moved; replaces the stored ones")
     res.add_argument("--no-progress", action="store_true", help="no progress bar")
     sw = sub.add_parser("sweep", help="a grid of datasets × α × methods × seeds: the paper's tables",
                         description="Run every point of a grid (each point's seeds as one run's repetitions) "
@@ -346,8 +349,14 @@ def _guarded_sweep(job):
 
 
 def _resume(args) -> int:
+    from pfedkdh_jax.run.config import plugins
     from pfedkdh_jax.run.experiment import resume
-    return _guarded(lambda: resume(args.run_dir, progress=not args.no_progress))
+    try:
+        given = {} if args.plugins is None else {"plugins": plugins(args.plugins)}
+    except ConfigError as e:
+        print(f"pfedkdh: error: {e}", file=sys.stderr)
+        return 2
+    return _guarded(lambda: resume(args.run_dir, progress=not args.no_progress, **given))
 
 
 def _guarded(job) -> int:

@@ -159,7 +159,12 @@ def preset(name: str, dataset: str) -> dict[str, Any]:
 
 
 def make_config(preset_name: str = "default", **overrides) -> RunConfig:
-    """``RunConfig`` from a preset for ``overrides['dataset']`` plus explicit overrides."""
+    """``RunConfig`` from a preset (``preset_name``, or ``preset=``) for ``overrides['dataset']`` plus
+    explicit overrides (``method_args``: ``((key, text), ...)`` as on the command line, or a dict)."""
+    if "preset" in overrides:   # the preset's name, given by keyword
+        preset_name = overrides.pop("preset")
+    if isinstance(overrides.get("method_args"), dict):   # {key: value} as the (key, text) pairs of --method-arg
+        overrides["method_args"] = tuple((k, str(v)) for k, v in overrides["method_args"].items())
     dataset = overrides.get("dataset", RunConfig.dataset)
     values = preset(preset_name, dataset)
     values.update({k: v for k, v in overrides.items() if v is not None})

@@ -62,16 +62,27 @@ def _tree_bytes(tree) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))
 
 
-@functools.lru_cache(maxsize=16)
-def step_temp_bytes(num_classes: int, input_shape: tuple, batch: int) -> int:
-    """Temporary bytes of one SGD step of the CNN on a batch, as XLA's buffer assignment counts them."""
+def step_temp_bytes(num_classes: int, input_shape: tuple, batch: int, model=None) -> int:
+    """Temporary bytes of one SGD step of the run's model (``None``: the CNN) on a batch, as XLA's
+    buffer assignment counts them."""
     from pfedkdh_jax.model import CNN
+    if model is None or isinstance(model, CNN):
+        return _cnn_step_temp_bytes(num_classes, input_shape, batch)
+    return _step_temp_bytes(model, input_shape, batch)
 
-    model = CNN(num_classes)
+
+@functools.lru_cache(maxsize=16)
+def _cnn_step_temp_bytes(num_classes: int, input_shape: tuple, batch: int) -> int:
+    from pfedkdh_jax.model import CNN
+    return _step_temp_bytes(CNN(num_classes), input_shape, batch)
+
+
+def _step_temp_bytes(model, input_shape: tuple, batch: int) -> int:
+    from pfedkdh_jax.engine.protocol import logits
 
     def step(params, x, y):
         def loss(p):
-            logp = jax.nn.log_softmax(model.logits(p, x))
+            logp = jax.nn.log_softmax(logits(model, p, x))
             return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
         g = jax.grad(loss)(params)
         return jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, params, g)
@@ -147,7 +158,8 @@ def estimate(cfg, algo, data, layout, batched_reps: bool) -> dict:
     updates = (cfg.reps if batched_reps else 1) * round_updates
     data_bytes = _tree_bytes(data)
     together = (cfg.clients_per_round if layout.client_parallel == "vmap" else 1) * (cfg.reps if batched_reps else 1)
-    step = step_temp_bytes(data.num_classes, tuple(data.input_shape), cfg.batch_size) * together
+    step = step_temp_bytes(data.num_classes, tuple(data.input_shape), cfg.batch_size,
+                           getattr(algo, "model", None)) * together
     return {"states": states, "updates": updates, "data": data_bytes, "local_training": step,
             "total": states + updates + data_bytes + step, "clients_at_once": together,
             "per_client": per_client // data.num_clients, "per_update": one_update, "row": row_bytes(state)}
