@@ -33,6 +33,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
+import os
+import sys
 from typing import Any, Callable
 
 from pfedkdh_jax.algorithms import configs as _c
@@ -204,8 +207,9 @@ def register_method(name: str, algorithm: type, config: type, *, summary: str = 
     ``algorithm``: the class (an :class:`~pfedkdh_jax.engine.protocol.Algorithm`); ``config``: its config,
     a frozen dataclass deriving from :class:`~pfedkdh_jax.algorithms.configs.LocalConfig` whose own fields
     are declared with :func:`~pfedkdh_jax.algorithms.configs.option` (they become its ``--method-arg``
-    options, checked as the config checks them). A run builds ``algorithm(CNN of the run, config(budget of
-    the run, **method args))``, or calls ``factory(run_config, num_classes, method_args)`` when given.
+    options, checked as the config checks them). A run builds ``algorithm(model, config(budget of the run,
+    **method args))`` over the run's model (the paper's CNN, or the one registered with its dataset), or
+    calls ``factory(run_config, num_classes, method_args)`` when given.
     ``table_metric``: the metric of its row in a sweep's table (its personalized models', or its global
     model's); ``stackable``: whether runs on other partitions of one pool may share one program (its
     shapes depend on the partition only through the padded tables). Registering a name again replaces
@@ -219,7 +223,6 @@ def register_method(name: str, algorithm: type, config: type, *, summary: str = 
         raise TypeError(f"register_method({name!r}): algorithm must be a class deriving from pfedkdh_jax.Algorithm; "
                         f"got {algorithm!r}")
     if factory is None:
-        import inspect
         try:
             inspect.signature(algorithm).bind(None, None)
         except (TypeError, ValueError):
@@ -243,9 +246,8 @@ def register_method(name: str, algorithm: type, config: type, *, summary: str = 
 
 def load_plugins(names) -> None:
     """Import each of ``names`` (a module's dotted name, or a ``.py`` file's path) once: modules that
-    register methods (:func:`register_method`). A ``ValueError`` names the one that cannot be imported."""
-    import os
-    import sys
+    register methods or datasets (:func:`register_method`, :func:`~pfedkdh_jax.data.register_dataset`).
+    A ``ValueError`` names the one that cannot be imported."""
     for name in names:
         if name.endswith(".py"):
             key = "pfedkdh_plugin_" + os.path.splitext(os.path.basename(name))[0]

@@ -95,9 +95,9 @@ _SWITCHES = [
 ]
 
 
-_PLUGIN_HELP = ("a module (dotted name, or a .py file) that registers methods of your own with "
-                "pfedkdh_jax.register_method, imported before --method is checked; repeatable, and kept in the "
-                "run's config.json for resume")
+_PLUGIN_HELP = ("a module (dotted name, or a .py file) that registers methods or datasets of your own "
+                "(pfedkdh_jax.register_method, register_dataset), imported before --method and --dataset are "
+                "checked; repeatable, and kept in the run's config.json for resume")
 
 _PRESET_FIELDS = {"num_clients", "participation", "aux_size", "rounds", "local_epochs", "batch_size", "lr",
                   "alpha", "ea_every", "teacher_epochs", "warmup_epochs"}

@@ -34,8 +34,8 @@ class RunConfig:
     # --- what to run
     method: str = "pfedkdh"            # federated algorithm (pfedkdh_jax.algorithms.METHODS)
     method_args: tuple = ()            # ((key, value-text), ...): the method's own options (--method-arg)
-    plugins: tuple = ()                # modules (dotted names, or .py paths) that register methods of one's
-                                       # own (pfedkdh_jax.register_method), imported before --method is checked
+    plugins: tuple = ()                # modules (dotted names, or .py paths) that register methods or datasets
+                                       # of one's own (register_method, register_dataset), imported first
     dataset: str = "digits"            # digits (offline demo set) | mnist | fashion_mnist | cifar10 | cifar100
                                        # | synthetic (images of any count: --synthetic-samples)
     synthetic_samples: int = 70_000    # the pool size of --dataset synthetic
