@@ -509,5 +509,14 @@ def test_check_method_passes_a_sound_method_and_names_what_a_broken_one_breaks(r
             return state.replace(round=state.round.astype(jnp.float32)), metrics
     with pytest.raises(p.ProtocolError, match=r"check_method\(FloatRound\): a round compiled again"):
         p.check_method(FloatRound(model, config), data, checks=("retrace",))
+    @dataclasses.dataclass(frozen=True)
+    class OwnBackbones(mod.FedPerM):  # per-client backbones scored without per_client=True
+        def eval_models(self, state):
+            k = data.num_clients
+            return p.EvalModels(backbone=jax.tree.map(lambda b: jnp.broadcast_to(b, (k,) + b.shape), state.backbone),
+                                heads=state.heads)
+    with pytest.raises(p.ProtocolError, match=r"check_method\(OwnBackbones\): the evaluation failed .*"
+                                              r"per_client=True when the backbone is per client"):
+        p.check_method(OwnBackbones(model, config), data, checks=("evaluation",))
     with pytest.raises(ValueError, match="check_method: no check 'speed'"):
         p.check_method(FloatRound(model, config), data, checks=("speed",))

@@ -128,7 +128,13 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
 
     ref = _pure_rounds(algo, data, LAYOUTS[0], schedule, keys, seed)
     evaluate = jax.jit(make_evaluate(last, Layout(*LAYOUTS[0], chunk_steps=2)), static_argnums=3)
-    scores = evaluate(ref.state, data, jax.random.key(seed + 3), True)
+    try:
+        scores = evaluate(ref.state, data, jax.random.key(seed + 3), True)
+    except Exception as e:   # a wrongly shaped EvalModels fails deep in the model's code: say what to look at
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ProtocolError(f"check_method({name}): the evaluation failed ({type(e).__name__}: {first}); "
+                            "eval_models must give heads [K, ...], and per_client=True when the backbone is "
+                            "per client ([K, ...] or a ClientRows)") from e
     if "retrace" in checks and set(ref.traces.values()) != {1}:
         raise ProtocolError(f"check_method({name}): a round compiled again (traces per phase {ref.traces}): its "
                             "state's structure, shapes or dtypes change from round to round, or a static "
