@@ -106,3 +106,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def registry():
+    """The method registry (yielded) and the dataset registry as they were, after the test: a method or
+    dataset registered by a test (or by an example it loads) stays for the process otherwise."""
+    from pfedkdh_jax.algorithms import METHODS
+    from pfedkdh_jax.data import sources
+    tables = (METHODS, sources._REGISTERED, sources._LOADED, sources._MODELS)
+    before = [dict(t) for t in tables]
+    yield METHODS
+    for table, saved in zip(tables, before):
+        table.clear()
+        table.update(saved)

@@ -26,17 +26,8 @@ def load(name):
     ("own_method", ["--rounds", "2", "--clients", "4", "--model", "mlp"]),
     ("own_data", ["--rounds", "1", "--clients", "4"]),
 ])
-def test_example_runs(name, argv, tmp_path):
-    from pfedkdh_jax.algorithms import METHODS
-    from pfedkdh_jax.data import sources
-    registered, datasets = dict(METHODS), dict(sources._REGISTERED)
-    try:
-        out = load(name).main(argv + (["--out", str(tmp_path)] if name == "own_data" else []))
-    finally:   # own_method and own_data register on import: the registries as they were for the other tests
-        METHODS.clear()
-        METHODS.update(registered)
-        sources._REGISTERED.clear()
-        sources._REGISTERED.update(datasets)
+def test_example_runs(name, argv, tmp_path, registry):   # own_method and own_data register on import
+    out = load(name).main(argv + (["--out", str(tmp_path)] if name == "own_data" else []))
     if name == "resnet_adamw":
         assert set(out) == {"pfedkdh"} and all(0 <= r["personalized_macro_accuracy"] <= 1 for r in out.values())
         assert "ea" in out["pfedkdh"]

@@ -226,16 +226,6 @@ def test_before_training_runs_pure_inside_a_users_jit(digits):
     np.testing.assert_allclose(eager.teacher_head["kernel"], host.teacher_head["kernel"], rtol=2e-4, atol=2e-5)
 
 
-@pytest.fixture
-def registry():
-    """The method registry as it was, after the test (a registration stays for the process)."""
-    from pfedkdh_jax.algorithms import METHODS
-    before = dict(METHODS)
-    yield METHODS
-    METHODS.clear()
-    METHODS.update(before)
-
-
 def test_a_method_of_ones_own_runs_from_the_command_line_and_resumes(registry, tmp_path, capsys):
     import sys
 
@@ -276,35 +266,28 @@ def test_a_method_of_ones_own_runs_from_the_command_line_and_resumes(registry, t
 
 
 def test_a_dataset_of_ones_own_is_a_run_option(registry, tmp_path):
-    from pfedkdh_jax.data import DataError, sources
+    from pfedkdh_jax.data import DataError
     from pfedkdh_jax.run.config import ConfigError
-    before = dict(sources._REGISTERED)
-    try:
-        with pytest.raises(ConfigError, match=r"--dataset must be one of .*; got 'blobs' \(a dataset of one's own: "
-                                              r"register_dataset in a module given by --plugin\)"):
-            p.make_config(dataset="blobs")
-        pool = load_pool("digits")
-        p.register_dataset("blobs", lambda: p.pool_from_arrays(pool.images[:500], pool.labels[:500]))
-        cfg = p.make_config(dataset="blobs", method="fedper", num_clients=4, aux_size=50)
-        got = load_pool(cfg.dataset)
-        assert got.name == "blobs" and got.images.shape == (500, 28, 28, 1) and got.normalize
-        with pytest.raises(DataError, match="'mnist' is one of the package's datasets"):
-            p.register_dataset("mnist", lambda: pool)
-        # float features the paper's CNN does not take: the dataset names its model
-        feats = pool.images[:400].reshape(400, -1).astype(np.float32) / 255.0
-        p.register_dataset("feats", lambda: p.pool_from_arrays(feats, pool.labels[:400]),
-                           model=lambda classes: p.LinenModel(nn.Dense(32), nn.Dense(classes)))
-        summary = p.run(p.make_config("smoke", dataset="feats", method="fedper", rounds=1, num_clients=4,
-                                      aux_size=40, out=str(tmp_path / "feats")), progress=False, log=lambda *_: None)
-        assert 0 <= summary["personalized_macro_accuracy"] <= 1
-        p.register_dataset("broken", lambda: (pool.images, pool.labels))
-        with pytest.raises(DataError, match=r"dataset 'broken': its load\(\) must return a pfedkdh_jax Pool"):
-            load_pool("broken")
-    finally:
-        sources._REGISTERED.clear()
-        sources._REGISTERED.update(before)
-        sources._LOADED.clear()
-        sources._MODELS.clear()
+    with pytest.raises(ConfigError, match=r"--dataset must be one of .*; got 'blobs' \(a dataset of one's own: "
+                                          r"register_dataset in a module given by --plugin\)"):
+        p.make_config(dataset="blobs")
+    pool = load_pool("digits")
+    p.register_dataset("blobs", lambda: p.pool_from_arrays(pool.images[:500], pool.labels[:500]))
+    cfg = p.make_config(dataset="blobs", method="fedper", num_clients=4, aux_size=50)
+    got = load_pool(cfg.dataset)
+    assert got.name == "blobs" and got.images.shape == (500, 28, 28, 1) and got.normalize
+    with pytest.raises(DataError, match="'mnist' is one of the package's datasets"):
+        p.register_dataset("mnist", lambda: pool)
+    # float features the paper's CNN does not take: the dataset names its model
+    feats = pool.images[:400].reshape(400, -1).astype(np.float32) / 255.0
+    p.register_dataset("feats", lambda: p.pool_from_arrays(feats, pool.labels[:400]),
+                       model=lambda classes: p.LinenModel(nn.Dense(32), nn.Dense(classes)))
+    summary = p.run(p.make_config("smoke", dataset="feats", method="fedper", rounds=1, num_clients=4,
+                                  aux_size=40, out=str(tmp_path / "feats")), progress=False, log=lambda *_: None)
+    assert 0 <= summary["personalized_macro_accuracy"] <= 1
+    p.register_dataset("broken", lambda: (pool.images, pool.labels))
+    with pytest.raises(DataError, match=r"dataset 'broken': its load\(\) must return a pfedkdh_jax Pool"):
+        load_pool("broken")
 
 
 def test_register_method_names_what_it_cannot_take(registry):

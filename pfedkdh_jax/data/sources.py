@@ -140,8 +140,11 @@ def resolve_data_dir(data_dir: str | None) -> str | None:
     return None
 
 
-# datasets of one's own (register_dataset): name -> a function returning its Pool
+# datasets of one's own (register_dataset): name -> a function returning its Pool, the pools loaded so far
+# (once a process), and each one's model or a function num_classes -> model
 _REGISTERED: dict[str, Callable[[], Pool]] = {}
+_LOADED: dict[str, Pool] = {}
+_MODELS: dict[str, Any] = {}
 
 
 def register_dataset(name: str, load: Callable[[], Pool], *, model: Any = None) -> None:
@@ -167,18 +170,12 @@ def register_dataset(name: str, load: Callable[[], Pool], *, model: Any = None) 
         _MODELS[name] = model
 
 
-_MODELS: dict[str, Any] = {}   # a registered dataset's model, or a function num_classes -> model
-
-
 def dataset_model(name: str | None, num_classes: int):
     """The model registered with dataset ``name`` (``None``: none was, the run's CNN)."""
     model = _MODELS.get(name)
     if model is not None and not all(callable(getattr(model, f, None)) for f in ("init", "features")):
         model = model(num_classes)   # a function of the number of classes
     return model
-
-
-_LOADED: dict[str, Pool] = {}
 
 
 def _registered_pool(name: str) -> Pool:

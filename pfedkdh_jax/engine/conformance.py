@@ -40,6 +40,7 @@ from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import tree_stack
 from pfedkdh_jax.engine.protocol import Algorithm
 from pfedkdh_jax.engine.round import check_state_clients, make_round, select_clients
+from pfedkdh_jax.engine.runner import PhasedRunner, _phase_key, phase_at, phase_starts   # the runner's own phases
 
 CHECKS = ("layouts", "retrace", "repetitions", "runner", "evaluation")
 LAYOUTS = (("vmap", "scan"), ("sequential", "unrolled"))
@@ -78,32 +79,30 @@ class _Run:
     traces: dict
 
 
+def _round_phases(algo: Algorithm, n: int) -> list[tuple[int, bool]]:
+    """For each of ``n`` rounds: its phase, and whether the phase is entered there (as the runner does)."""
+    starts = phase_starts(algo.phases)
+    return [(i, i > 0 and t == starts[i]) for t, i in ((t, phase_at(starts, t)) for t in range(n))]
+
+
 def _pure_rounds(algo: Algorithm, data: FederatedData, layout, schedule, keys, seed: int) -> _Run:
     """Jitted rounds of each phase's pure round function, entering later phases as a runner does."""
     traces: dict[int, int] = {}
+    steps: dict[int, Any] = {}
     state = algo.init(jax.random.key(seed), data)
-    metrics, t = [], 0
-    for i, phase in enumerate(algo.phases):
-        pieces = make_round(phase.algorithm, Layout(*layout, chunk_steps=2))
-
-        def counted(*args, fn=pieces, i=i):
-            traces[i] = traces.get(i, 0) + 1
-            return fn(*args)
-        step = jax.jit(counted)
-        for _ in range(len(schedule) - t if phase.rounds is None else phase.rounds):
-            if t == len(schedule):
-                break
-            if _ == 0 and t > 0 and phase.enter is not None:
-                state = jax.jit(phase.enter)(state, data, _enter_key(keys[t], i))
-            state, m = step(state, data, jnp.asarray(schedule[t]), keys[t])
-            metrics.append(m)
-            t += 1
+    metrics = []
+    for t, (i, enters) in enumerate(_round_phases(algo, len(schedule))):
+        phase = algo.phases[i]
+        if i not in steps:
+            def counted(*args, fn=make_round(phase.algorithm, Layout(*layout, chunk_steps=2)), i=i):
+                traces[i] = traces.get(i, 0) + 1
+                return fn(*args)
+            steps[i] = jax.jit(counted)
+        if enters and phase.enter is not None:
+            state = jax.jit(phase.enter)(state, data, _phase_key(keys[t], i))
+        state, m = steps[i](state, data, jnp.asarray(schedule[t]), keys[t])
+        metrics.append(m)
     return _Run(state, metrics, traces)
-
-
-def _enter_key(key, phase: int):
-    from pfedkdh_jax.engine.runner import _phase_key   # the runner's own, so both enter alike
-    return _phase_key(key, phase)
 
 
 def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clients_per_round: int = 2,
@@ -152,9 +151,10 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
         for t, m in enumerate(ref.metrics):
             if "train_loss" not in m:
                 raise ProtocolError(f"check_method({name}): round {t}'s metrics have no train_loss")
+    runs = {LAYOUTS[0]: ref}   # each layout's pure rounds, run once for the checks that compare with them
     if "layouts" in checks:
         for layout in LAYOUTS[1:]:
-            other = _pure_rounds(algo, data, layout, schedule, keys, seed)
+            other = runs[layout] = _pure_rounds(algo, data, layout, schedule, keys, seed)
             hint = ("its clients' work depends on how they are laid out (a Python side effect, a value read "
                     "on the host, or a client reading another client's values?)")
             where = f"check_method({name}): Layout{layout} against Layout{LAYOUTS[0]}"
@@ -166,9 +166,8 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
     if "repetitions" in checks:
         _check_repetitions(algo, data, schedule, keys, seed, tol, name)
     if "runner" in checks:
-        from pfedkdh_jax.engine.runner import PhasedRunner
         layout = LAYOUTS[1]
-        pure = ref if layout == LAYOUTS[0] else _pure_rounds(algo, data, layout, schedule, keys, seed)
+        pure = runs.get(layout) or _pure_rounds(algo, data, layout, schedule, keys, seed)
         runner = PhasedRunner(algo, data, Layout(*layout, chunk_steps=2))
         state = algo.init(jax.random.key(seed), data)
         for t, sel in enumerate(schedule):
@@ -185,20 +184,17 @@ def _check_repetitions(algo, data, schedule, keys, seed, tol, name) -> None:
     other = [np.roll(s, 1) for s in schedule]                  # the second repetition's own clients
     plans = {seeds[0]: schedule, seeds[1]: other}
     state = tree_stack([algo.init(jax.random.key(s), data) for s in seeds])
-    t = 0
-    for i, phase in enumerate(algo.phases):
-        batched = jax.jit(jax.vmap(make_round(phase.algorithm, Layout(*LAYOUTS[1], chunk_steps=2)),
-                                   in_axes=(0, None, 0, 0)))
-        for _ in range(len(schedule) - t if phase.rounds is None else phase.rounds):
-            if t == len(schedule):
-                break
-            rep_keys = jnp.stack([jax.random.fold_in(keys[t], s) for s in seeds])
-            if _ == 0 and t > 0 and phase.enter is not None:
-                enter_keys = jnp.stack([_enter_key(k, i) for k in rep_keys])
-                state = jax.jit(jax.vmap(phase.enter, in_axes=(0, None, 0)))(state, data, enter_keys)
-            sel = jnp.asarray(np.stack([plans[s][t] for s in seeds]))
-            state, _ = batched(state, data, sel, rep_keys)
-            t += 1
+    batched: dict[int, Any] = {}
+    for t, (i, enters) in enumerate(_round_phases(algo, len(schedule))):
+        phase = algo.phases[i]
+        if i not in batched:
+            batched[i] = jax.jit(jax.vmap(make_round(phase.algorithm, Layout(*LAYOUTS[1], chunk_steps=2)),
+                                          in_axes=(0, None, 0, 0)))
+        rep_keys = jnp.stack([jax.random.fold_in(keys[t], s) for s in seeds])
+        if enters and phase.enter is not None:
+            state = jax.jit(jax.vmap(phase.enter, in_axes=(0, None, 0)))(state, data, _phase_key(rep_keys, i))
+        sel = jnp.asarray(np.stack([plans[s][t] for s in seeds]))
+        state, _ = batched[i](state, data, sel, rep_keys)
     for r, s in enumerate(seeds):
         alone = _pure_rounds(algo, data, LAYOUTS[1], plans[s], [jax.random.fold_in(k, s) for k in keys], s)
         _compare(f"check_method({name}): repetition {r} of two vmapped against its run alone, the state",

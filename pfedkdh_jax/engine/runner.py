@@ -829,7 +829,7 @@ class PhasedRunner:
             raise ValueError("stacked hyperparameter values need a method of one phase")
         if any(p.rounds is None for p in self.phases[:-1]):
             raise ValueError("only the last phase may run 'every remaining round' (rounds=None)")
-        self.starts = [sum(p.rounds for p in self.phases[:i]) for i in range(len(self.phases))]
+        self.starts = phase_starts(self.phases)
         self.runners = [RoundRunner(p.algorithm, data, layout, reps=reps, mesh=mesh, hparams=hparams,
                                     workload=self._phase_workload(workload, i), donate_state=donate_state)
                         for i, p in enumerate(self.phases)]
@@ -864,7 +864,7 @@ class PhasedRunner:
 
     def phase(self, t: int) -> int:
         """The phase of round ``t`` (0-based): the last one whose first round is at most ``t``."""
-        return max(i for i, start in enumerate(self.starts) if t >= start)
+        return phase_at(self.starts, t)
 
     def place(self, tree):
         return self.runners[0].place(tree)
@@ -881,6 +881,16 @@ class PhasedRunner:
 
     def evaluate(self, state, data: FederatedData, key: jax.Array, t: int, *, personalize: bool = False) -> dict:
         return self.runners[self.phase(t)].evaluate(state, data, key, personalize=personalize)
+
+
+def phase_starts(phases) -> list[int]:
+    """The first round of each phase (0-based; every phase but the last has its count of rounds)."""
+    return [sum(p.rounds for p in phases[:i]) for i in range(len(phases))]
+
+
+def phase_at(starts: list[int], t: int) -> int:
+    """The phase of round ``t``: the last one whose first round is at most ``t``."""
+    return max(i for i, start in enumerate(starts) if t >= start)
 
 
 def _phase_key(key: jax.Array, phase: int) -> jax.Array:
