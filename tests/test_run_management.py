@@ -218,6 +218,26 @@ def test_eval_seconds_median_counts_only_the_rounds_that_evaluated():
     assert (alone["evaluations"], alone["eval_seconds_median"]) == (1, 9.0)
 
 
+def test_compile_seconds_is_unknown_after_a_single_round():
+    """Round 1 compiles: compile time is round 1 less the later rounds' median, so a one-round run has
+    none to report (null, not 0) and says its seconds_per_round includes compilation."""
+    import types
+
+    from pfedkdh_jax.engine.layout import Layout
+    from pfedkdh_jax.run import records
+
+    cfg = make_config("default", rounds=3)
+    runner = types.SimpleNamespace(layout=Layout(), traces={})
+    history = [{"round": t, "train_loss": 0.5, "train_seconds": s, "eval_seconds": 0.1, "seconds": s}
+               for t, s in [(1, 7.0), (2, 2.0), (3, 2.0)]]
+    three = records.summary(cfg, history, {}, runner, status="completed")
+    assert (three["seconds_per_round"], three["compile_seconds"]) == (2.0, 5.0)
+    assert three["seconds_per_round_includes_compile"] is False
+    one = records.summary(cfg, history[:1], {}, runner, status="completed")
+    assert (one["seconds_per_round"], one["compile_seconds"]) == (7.0, None)
+    assert one["seconds_per_round_includes_compile"] is True
+
+
 def test_a_run_directory_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
     import socket
     out = tmp_path / "run"

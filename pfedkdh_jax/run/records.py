@@ -120,7 +120,10 @@ def summary(cfg, history: list[dict], part_summary: dict, runner,
     summary["eval_seconds_median"] = statistics.median(evals[1:] or evals) if evals else 0.0
     summary["evaluations"] = len(evals)
     summary["first_round_seconds"] = secs[0] if secs else None
-    summary["compile_seconds"] = max(0.0, secs[0] - summary["seconds_per_round"]) if secs else None
+    # the first round compiles; with no second round to compare, its compile time is unknown (None)
+    # and seconds_per_round is that first round's, compilation included
+    summary["compile_seconds"] = max(0.0, secs[0] - summary["seconds_per_round"]) if len(secs) > 1 else None
+    summary["seconds_per_round_includes_compile"] = len(secs) == 1
     summary["engine"] = dataclasses.asdict(runner.layout)
     packed = [(r.get("reps") or [r])[0] for r in history]
     if packed and "packing_computed_steps" in packed[0]:
