@@ -114,7 +114,7 @@ def registry():
     dataset registered by a test (or by an example it loads) stays for the process otherwise."""
     from pfedkdh_jax.algorithms import METHODS
     from pfedkdh_jax.data import sources
-    tables = (METHODS, sources._REGISTERED, sources._LOADED, sources._MODELS)
+    tables = (METHODS, sources._REGISTERED, sources._LOADED, sources._MODELS, sources._PRESETS)
     before = [dict(t) for t in tables]
     yield METHODS
     for table, saved in zip(tables, before):

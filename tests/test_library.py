@@ -210,6 +210,36 @@ def test_a_state_built_on_other_data_is_named(digits):
         stacked.round(states, six, np.array([[0, 1], [2, 3]]), jax.random.split(key, 2))
 
 
+def test_an_evaluation_backbone_per_client_must_say_so(digits):
+    """EvalModels' per_client flag is checked against the backbone's shapes (the model's own, with or
+    without a client axis) before anything is traced: a missing flag is named, not a flax shape error."""
+    class Unflagged(p.Ditto):
+        def eval_models(self, state):
+            return super().eval_models(state).replace(per_client=False)
+
+    class Flagged(p.FedPer):
+        def eval_models(self, state):
+            return super().eval_models(state).replace(per_client=True)
+
+    key = jax.random.key(0)
+    for cls, config, message in [(Unflagged, p.DittoConfig(local_epochs=1), r"Unflagged.eval_models gives a "
+                                  r"backbone per client \(\[4, ...\]\) without per_client=True"),
+                                 (Flagged, p.FedPerConfig(local_epochs=1), "Flagged.eval_models says "
+                                  "per_client=True but gives one shared backbone")]:
+        algo = cls(small_model(), config)
+        state = algo.init(key, digits)
+        with pytest.raises(ValueError, match="evaluate: " + message):
+            p.make_evaluate(algo)(state, digits, key)
+        stacked = p.RoundRunner(algo, digits, p.Layout("vmap", "scan"), reps=2)   # [R, K, ...]: K after R
+        with pytest.raises(ValueError, match="RoundRunner.evaluate: " + message):
+            stacked.evaluate(jax.vmap(lambda k: algo.init(k, digits))(jax.random.split(key, 2)), digits,
+                             jax.random.split(key, 2))
+    for algo in (p.Ditto(small_model(), p.DittoConfig(local_epochs=1)),   # the built-in ones evaluate
+                 p.FedPer(small_model(), p.FedPerConfig(local_epochs=1))):
+        assert 0.0 <= float(p.make_evaluate(algo)(algo.init(key, digits), digits, key)
+                            ["personalized_macro_accuracy"]) <= 1.0
+
+
 def test_before_training_runs_pure_inside_a_users_jit(digits):
     # pFedKDH's warm-up on D_s and its teacher refit, before round 0: the runner's host loop and the
     # pure form inside a jit (a lax.scan of steps) compute the same state
@@ -285,6 +315,20 @@ def test_a_dataset_of_ones_own_is_a_run_option(registry, tmp_path):
     summary = p.run(p.make_config("smoke", dataset="feats", method="fedper", rounds=1, num_clients=4,
                                   aux_size=40, out=str(tmp_path / "feats")), progress=False, log=lambda *_: None)
     assert 0 <= summary["personalized_macro_accuracy"] <= 1
+    # a pool too small for the presets' |D_s| of 5000 says what its runs take instead; options still win
+    p.register_dataset("small", lambda: p.pool_from_arrays(pool.images[:500], pool.labels[:500]),
+                       preset=dict(aux_size=50, num_clients=4))
+    for name in ("smoke", "default", "paper"):
+        cfg = p.make_config(name, dataset="small")
+        assert (cfg.aux_size, cfg.num_clients) == (50, 4) and (cfg.rounds == 2) == (name == "smoke")
+    assert p.make_config("smoke", dataset="small", aux_size=60).aux_size == 60
+    assert p.make_config("smoke", dataset="blobs").aux_size == 5000   # none registered: the presets' own
+    p.register_dataset("typo", lambda: pool, preset=dict(aux=50))
+    with pytest.raises(ConfigError, match=r"dataset 'typo': its preset \(register_dataset\(preset=\)\) has no run "
+                                          r"option 'aux'"):
+        p.make_config(dataset="typo")
+    with pytest.raises(DataError, match=r"register_dataset\('typo'\): preset must be a dict of run options"):
+        p.register_dataset("typo", lambda: pool, preset=[("aux_size", 50)])
     p.register_dataset("broken", lambda: (pool.images, pool.labels))
     with pytest.raises(DataError, match=r"dataset 'broken': its load\(\) must return a pfedkdh_jax Pool"):
         load_pool("broken")
@@ -498,8 +542,8 @@ def test_check_method_passes_a_sound_method_and_names_what_a_broken_one_breaks(r
             k = data.num_clients
             return p.EvalModels(backbone=jax.tree.map(lambda b: jnp.broadcast_to(b, (k,) + b.shape), state.backbone),
                                 heads=state.heads)
-    with pytest.raises(p.ProtocolError, match=r"check_method\(OwnBackbones\): the evaluation failed .*"
-                                              r"per_client=True when the backbone is per client"):
+    with pytest.raises(p.ProtocolError, match=r"check_method\(OwnBackbones\): OwnBackbones.eval_models gives a "
+                                              r"backbone per client \(\[4, ...\]\) without per_client=True"):
         p.check_method(OwnBackbones(model, config), data, checks=("evaluation",))
     with pytest.raises(ValueError, match="check_method: no check 'speed'"):
         p.check_method(FloatRound(model, config), data, checks=("speed",))

@@ -1,12 +1,14 @@
 """Example (f): a dataset of your own in runs, sweeps and the command line.
 
-    pfedkdh run --plugin experiments/examples/own_data.py --dataset stripes --method fedper --aux-size 500
+    pfedkdh run --plugin experiments/examples/own_data.py --dataset stripes --method fedper
     python experiments/examples/own_data.py          # the same from Python: FedPer and FedAvg, 10 rounds
 
 ``register_dataset(name, load)`` names a function that returns a ``Pool`` (``pool_from_arrays`` of your
 arrays: images as uint8 pixels, or any float features with a model that takes them); a run partitions
 it like MNIST (Dirichlet over ``--alpha``, ``--clients``, D_s of ``--aux-size`` drawn first), and
-``--plugin`` names this file (kept in the run's config.json, so ``pfedkdh resume`` finds it).
+``--plugin`` names this file (kept in the run's config.json, so ``pfedkdh resume`` finds it). Its
+``preset`` gives the options every preset takes for it: here a D_s of 500, the presets' 5000 being
+most of this pool of 6000.
 
 The dataset here is generated, so the example runs anywhere: "stripes", 28×28 grey images of sine
 gratings whose class sets the orientation and frequency, under noise and a random phase.
@@ -36,7 +38,7 @@ def stripes(num_samples: int = 6000, num_classes: int = 10, seed: int = 0) -> p.
     return p.pool_from_arrays(images, labels, num_classes=num_classes)
 
 
-p.register_dataset("stripes", stripes)
+p.register_dataset("stripes", stripes, preset=dict(aux_size=500))
 
 
 def main(argv=None) -> dict:
@@ -48,7 +50,7 @@ def main(argv=None) -> dict:
     out = {}
     for method in ("fedper", "fedavg"):
         cfg = p.make_config(dataset="stripes", method=method, rounds=a.rounds, num_clients=a.clients, alpha=0.3,
-                            aux_size=500, local_epochs=1, eval_every=a.rounds, out=f"{a.out}/{method}")
+                            local_epochs=1, eval_every=a.rounds, out=f"{a.out}/{method}")
         summary = p.run(cfg, progress=False, log=lambda *_: None)
         metric = p.METHODS[method].table_metric
         out[method] = summary[metric]

@@ -141,33 +141,47 @@ def resolve_data_dir(data_dir: str | None) -> str | None:
 
 
 # datasets of one's own (register_dataset): name -> a function returning its Pool, the pools loaded so far
-# (once a process), and each one's model or a function num_classes -> model
+# (once a process), each one's model or a function num_classes -> model, and its preset values
 _REGISTERED: dict[str, Callable[[], Pool]] = {}
 _LOADED: dict[str, Pool] = {}
 _MODELS: dict[str, Any] = {}
+_PRESETS: dict[str, dict[str, Any]] = {}
 
 
-def register_dataset(name: str, load: Callable[[], Pool], *, model: Any = None) -> None:
+def register_dataset(name: str, load: Callable[[], Pool], *, model: Any = None,
+                     preset: dict[str, Any] | None = None) -> None:
     """Make a dataset of your own a dataset of runs, sweeps and the command line (``--dataset name``,
     with ``--plugin`` naming the module that calls this). ``load()`` returns its :class:`Pool`
     (:func:`pool_from_arrays` of your arrays); it is called when a run loads the data, once a process.
-    The run partitions it as any other (``--alpha``, ``--clients``, ``--aux-size``: the paper preset's
-    |D_s| of 5000 needs a pool well above it). ``model``: the model its runs train, a
-    :class:`~pfedkdh_jax.engine.protocol.Model` or a function ``num_classes -> Model`` (needed for data
-    the paper's CNN does not take: float features, images under 16×16); default the CNN. Registering a
-    name again replaces one's own registration; the package's datasets cannot be replaced."""
+    The run partitions it as any other (``--alpha``, ``--clients``, ``--aux-size``). ``model``: the
+    model its runs train, a :class:`~pfedkdh_jax.engine.protocol.Model` or a function
+    ``num_classes -> Model`` (needed for data the paper's CNN does not take: float features, images
+    under 16×16); default the CNN. ``preset``: run options (``RunConfig`` field names) every preset
+    takes for this dataset over its own, e.g. ``{"aux_size": 500, "num_clients": 10}`` for a pool too
+    small for the presets' |D_s| of 5000 (an explicit option still wins; ``smoke`` still runs 2
+    rounds). Registering a name again replaces one's own registration; the package's datasets cannot
+    be replaced."""
     if not (isinstance(name, str) and name.isidentifier()):
         raise DataError(f"register_dataset: the name must be an identifier (a --dataset value); got {name!r}")
     if name in DATASETS:
         raise DataError(f"register_dataset: {name!r} is one of the package's datasets; choose another name")
     if not callable(load):
         raise DataError(f"register_dataset({name!r}): load must be a function () -> Pool; got {type(load).__name__}")
+    if preset is not None and not (isinstance(preset, dict) and all(isinstance(k, str) for k in preset)):
+        raise DataError(f"register_dataset({name!r}): preset must be a dict of run options (RunConfig field names "
+                        f"to values); got {type(preset).__name__}")
     _REGISTERED[name] = load
     _LOADED.pop(name, None)
+    _PRESETS[name] = dict(preset or {})
     if model is None:
         _MODELS.pop(name, None)
     else:
         _MODELS[name] = model
+
+
+def dataset_preset(name: str) -> dict[str, Any]:
+    """The run options registered with dataset ``name`` (``{}``: none, or a package dataset)."""
+    return dict(_PRESETS.get(name, {}))
 
 
 def dataset_model(name: str | None, num_classes: int):

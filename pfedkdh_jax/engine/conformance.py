@@ -122,7 +122,10 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
     base = jax.random.key(seed + 1)
     schedule = [np.asarray(select_clients(jax.random.fold_in(base, t), k, clients_per_round)) for t in range(rounds)]
     keys = [jax.random.fold_in(jax.random.key(seed + 2), t) for t in range(rounds)]
-    check_state_clients(algo, algo.init(jax.random.key(seed), data), data, f"check_method({name})")
+    try:   # the evaluation's heads [K, ...] and its backbone's per_client flag, against the model's shapes
+        check_state_clients(algo, algo.init(jax.random.key(seed), data), data, f"check_method({name})")
+    except ValueError as e:
+        raise ProtocolError(str(e)) from e
     last = algo.phases[-1].algorithm
 
     ref = _pure_rounds(algo, data, LAYOUTS[0], schedule, keys, seed)

@@ -177,13 +177,39 @@ def check_state_clients(algo: Algorithm, state, data: FederatedData, where: str,
     ``[R, K, ...]`` with ``rep_axis``); a method whose evaluation has no heads is not checked."""
     models = jax.eval_shape(jax.vmap(algo.eval_models) if rep_axis else algo.eval_models, state)
     heads = jax.tree_util.tree_leaves(models.heads)
-    if not heads:
+    if heads:
+        k = heads[0].shape[1 if rep_axis else 0]
+        if k != data.num_clients:
+            raise ValueError(f"{where}: the state holds {k} clients (its evaluation heads are [{k}, ...]) but the "
+                             f"data has {data.num_clients}: build the state with algo.init(key, data) on the data it "
+                             f"runs on (or, writing a method, give EvalModels heads stacked per client, [K, ...])")
+    check_eval_backbone(algo, models, data, where, rep_axis)
+
+
+def check_eval_backbone(algo: Algorithm, models, data: FederatedData, where: str, rep_axis: bool = False) -> None:
+    """A ``ValueError`` naming ``where`` when ``models`` (an :class:`EvalModels` of shapes) holds a backbone
+    per client ``[K, ...]`` without ``per_client=True``, or one shared backbone with it. Compared with the
+    shapes of ``algo.model.init``'s backbone; a backbone of another structure (a
+    :class:`~pfedkdh_jax.engine.client_rows.ClientRows`, a method's own form) is not checked."""
+    if models.backbone is None:
         return
-    k = heads[0].shape[1 if rep_axis else 0]
-    if k != data.num_clients:
-        raise ValueError(f"{where}: the state holds {k} clients (its evaluation heads are [{k}, ...]) but the data "
-                         f"has {data.num_clients}: build the state with algo.init(key, data) on the data it runs on "
-                         f"(or, writing a method, give EvalModels heads stacked per client, [K, ...])")
+    ref = jax.eval_shape(lambda key: algo.model.init(key, tuple(data.input_shape)), jax.random.key(0))["backbone"]
+    ref_leaves, ref_tree = jax.tree_util.tree_flatten(ref)
+    leaves, tree = jax.tree_util.tree_flatten(models.backbone)
+    if tree != ref_tree or not leaves:
+        return
+    lead = [tuple(x.shape[:x.ndim - r.ndim]) if x.ndim >= r.ndim and x.shape[x.ndim - r.ndim:] == r.shape else None
+            for x, r in zip(leaves, ref_leaves)]
+    if None in lead or len(set(lead)) != 1:
+        return
+    stacked = len(lead[0]) > (1 if rep_axis else 0)   # a client axis besides any repetition axis
+    if stacked and not models.per_client:
+        raise ValueError(f"{where}: {type(algo).__name__}.eval_models gives a backbone per client "
+                         f"([{lead[0][-1]}, ...]) without per_client=True: return EvalModels(..., per_client=True) so "
+                         "each client's test samples go through its own backbone")
+    if models.per_client and not stacked:
+        raise ValueError(f"{where}: {type(algo).__name__}.eval_models says per_client=True but gives one shared "
+                         "backbone: leave per_client False, or give the clients' backbones stacked [K, ...]")
 
 
 def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:

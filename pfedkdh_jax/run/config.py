@@ -15,7 +15,7 @@ from typing import Any
 
 from pfedkdh_jax.algorithms import METHODS, PFEDKDH_OPTIONS, load_plugins, parse_method_args
 from pfedkdh_jax.algorithms.configs import OPTIMIZERS, LocalConfig, OptionError, PFedKDHConfig
-from pfedkdh_jax.data.sources import dataset_names
+from pfedkdh_jax.data.sources import dataset_names, dataset_preset
 PRESETS = ("default", "paper", "smoke")
 
 # method.md Table 1: rounds and local epochs per dataset.
@@ -153,6 +153,12 @@ def preset(name: str, dataset: str) -> dict[str, Any]:
         rounds, epochs = PAPER_SCHEDULE.get(dataset, (50, 2))
         values = dict(num_clients=20, participation=0.5, aux_size=5000, rounds=rounds,
                       local_epochs=epochs, batch_size=64, lr=0.015, teacher_epochs=3, warmup_epochs=0)
+    own = dataset_preset(dataset)   # a registered dataset's own values (register_dataset(preset=))
+    unknown = sorted(set(own) - {f.name for f in dataclasses.fields(RunConfig)})
+    if unknown:
+        raise ConfigError(f"dataset {dataset!r}: its preset (register_dataset(preset=)) has no run option "
+                          f"{unknown[0]!r}; the options are RunConfig's fields")
+    values.update(own)
     if name == "smoke":   # and each method's own phase lengths (METHODS[m].smoke, in make_config)
         values.update(rounds=2, ea_every=1)
     return values
@@ -165,11 +171,11 @@ def make_config(preset_name: str = "default", **overrides) -> RunConfig:
         preset_name = overrides.pop("preset")
     if isinstance(overrides.get("method_args"), dict):   # {key: value} as the (key, text) pairs of --method-arg
         overrides["method_args"] = tuple((k, str(v)) for k, v in overrides["method_args"].items())
+    if overrides.get("plugins") is not None:   # first: a plugin may register the dataset and its preset
+        overrides["plugins"] = plugins(overrides["plugins"])
     dataset = overrides.get("dataset", RunConfig.dataset)
     values = preset(preset_name, dataset)
     values.update({k: v for k, v in overrides.items() if v is not None})
-    if "plugins" in values:
-        values["plugins"] = plugins(values["plugins"])
     method = values.get("method", RunConfig.method)
     if preset_name == "smoke" and method in METHODS:   # the method's own phases scaled down too
         given = {k for k, _ in values.get("method_args", ())}
