@@ -50,7 +50,10 @@ def test_smoke_run_writes_the_run_directory(tmp_path, capsys, measured_conv_form
     (["--ea-lr", "0"], "--ea-lr"),
     (["--ea-epochs", "-1"], "--ea-epochs"),
     (["--aux-size", "1797"], "--aux-size"),
-    (["--clients", "200", "--min-client-samples", "10"], "min_client_samples"),
+    (["--clients", "200", "--min-client-samples", "10"], "--clients * --min-client-samples must be <= 1497 (the "
+                                                         "samples left after --aux-size 300;"),   # the flags' names
+    (["--clients", "40", "--min-client-samples", "2", "--alpha", "0.01", "--fill", "redraw"],
+     "lower --min-client-samples, raise --alpha, use fewer clients or --fill top_up"),
     (["--dataset", "cifar10", "--data-dir", "."], "download_and_prepare"),
     (["--client-devices", "0"], "--client-devices"),
     (["--preset", "smoke", "--client-devices", "3"], "--client-devices"),   # this process has 1 device
@@ -88,6 +91,27 @@ def test_pfedkdh_only_flags_are_rejected_with_other_methods(flags, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert f"{flags[0]} is an option of pfedkdh; --method fedavg does not use it" in err
+
+
+def test_a_pfedkdh_flag_named_like_a_methods_own_option_points_to_it(capsys):
+    assert cli.main(["run", "--no-progress", "--method", "fedprox", "--mu", "0.5"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--method fedprox does not use it (its own mu: "
+                                                    "--method-arg mu=0.5)")
+
+
+def test_ctrl_c_says_how_to_go_on(tmp_path, monkeypatch, capsys):
+    """A KeyboardInterrupt in a run is one line naming the resume command (exit 130), not a traceback."""
+    from pfedkdh_jax.run import experiment
+
+    def interrupted(cfg, **_):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(experiment, "run", interrupted)
+    out = tmp_path / "run"
+    assert cli.main(["run", "--preset", "smoke", "--out", str(out), "--no-progress"]) == 130
+    assert capsys.readouterr().err.strip() == (f"pfedkdh: interrupted; `pfedkdh resume {out}` continues the run "
+                                               "from its last checkpoint")
+    assert cli.main(["run", "--preset", "smoke", "--out", str(out), "--checkpoint-every", "0", "--no-progress"]) == 130
+    assert "kept no checkpoints (--checkpoint-every 0)" in capsys.readouterr().err
 
 
 def test_bad_input_fails_before_importing_jax():
@@ -141,3 +165,26 @@ def test_lanes_run_from_the_cli_where_the_cpu_has_two_devices(tmp_path):
         assert p.returncode == 0, p.stderr[-1500:]
         summary = json.loads((tmp_path / f"run{len(extra)}" / "summary.json").read_text())
         assert summary["status"] == "completed"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--rouds", "2"], "pfedkdh run: error: unrecognized arguments: --rouds 2; did you mean --rounds?"),
+    (["sweep", "--seeds", "0,1,2"], "pfedkdh sweep: error: argument --seeds: invalid int value: '0,1,2'"),
+    (["run", "--preset", "papr"], "pfedkdh run: error: argument --preset: invalid choice: 'papr'"),
+])
+def test_a_mistyped_flag_is_one_line_from_its_command(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(message) and err.count("\n") == 1
+    assert f"(`pfedkdh {argv[0]} --help` lists the options)" in err
+
+
+def test_help_states_each_default_once_and_every_methods_own_options(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    import re
+    assert "(default: None)" not in text and not re.search(r"\(default[ :][^)]*\) \(default", text)
+    assert "with --optimizer momentum (default 0.9) --" in text
+    assert "fedprox: mu;" in text and "fedrep: head_epochs;" in text

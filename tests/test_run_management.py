@@ -71,8 +71,17 @@ def test_kill_mid_round_then_resume_is_bit_identical(tmp_path, reference):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert n_rows(out) < ROUNDS
-    assert resume(str(out), progress=False, log=lambda *_: None)["status"] == "completed"
+    summary = resume(str(out), progress=False, log=lambda *_: None)
+    assert summary["status"] == "completed"
     assert numbers(out) == numbers(reference)
+    # the whole run's time counts the killed session's rounds too (by their rows), this session's apart
+    assert summary["total_seconds"] > summary["session_seconds"] > 0
+    assert summary["total_seconds"] >= sum(r["seconds"] for r in rows(out)[:2]) + summary["session_seconds"]
+    # a complete run resumes to nothing: its summary is left as it is
+    before, said = (out / "summary.json").read_text(), []
+    assert resume(str(out), progress=False, log=said.append)["status"] == "completed"
+    assert (out / "summary.json").read_text() == before
+    assert said == [f"{out}: already complete ({ROUNDS} rounds); nothing to resume"]
 
 
 def test_kill_mid_save_then_resume_is_bit_identical(tmp_path, reference):
@@ -94,6 +103,7 @@ def test_kill_mid_save_then_resume_is_bit_identical(tmp_path, reference):
 def test_corrupt_checkpoint_falls_back_to_previous(tmp_path, reference):
     out = tmp_path / "run"
     shutil.copytree(reference, out)
+    (out / "summary.json").unlink()   # killed after its last checkpoint (a complete run resumes to nothing)
     ckpts = sorted((out / "checkpoints").glob("round_*"))
     assert [p.name for p in ckpts] == ["round_000004", "round_000005"]
     for f in (ckpts[-1] / "state").rglob("*"):
@@ -109,6 +119,7 @@ def test_corrupt_checkpoint_falls_back_to_previous(tmp_path, reference):
 def test_checkpoint_of_another_config_is_refused(tmp_path, reference):
     out = tmp_path / "run"
     shutil.copytree(reference, out)
+    (out / "summary.json").unlink()   # killed after its last checkpoint (a complete run resumes to nothing)
     cfg = json.loads((out / "config.json").read_text())
     cfg["lam"] = 0.9
     (out / "config.json").write_text(json.dumps(cfg))
@@ -135,6 +146,22 @@ def test_same_config_and_seeds_reproduce_the_summary(tmp_path, reference):
     assert numbers(out) == numbers(reference)
     env = json.loads((out / "config.json").read_text())["environment"]
     assert {"jax", "flax", "optax", "backend", "device_kind", "git_commit"} <= set(env)
+
+
+def test_a_fresh_run_never_writes_over_a_run_or_a_sweep(tmp_path, reference, capsys):
+    """Refused before anything loads: the directory of a finished run, and a sweep's."""
+    before = (reference / "summary.json").read_text()
+    assert cli.main(["run", "--preset", "smoke", "--rounds", "1", "--out", str(reference), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {reference} already holds a completed pfedkdh run ({ROUNDS} rounds): choose another" in err
+    assert f"`pfedkdh resume {reference}`" in err and err.count("\n") == 1
+    assert (reference / "summary.json").read_text() == before
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text("{}")
+    assert cli.main(["run", "--preset", "smoke", "--rounds", "1", "--out", str(sweep), "--no-progress"]) == 2
+    assert "holds a sweep (sweep.json)" in capsys.readouterr().err
+    assert sorted(p.name for p in sweep.iterdir()) == ["sweep.json"]
 
 
 def test_config_files(tmp_path):

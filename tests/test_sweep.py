@@ -119,8 +119,43 @@ def test_sweep_grid_applies_to_the_methods_that_read_it():
     (["--seeds", "0"], "--seeds must be >= 1"),
     (["--methods", "fedper,fedper"], "lists a value twice"),
     (["--method-arg", "fedrep:head_epochs=2"], "not one of the sweep's --methods"),
+    (["--alphas", ""], "--alphas needs at least one value; got ''"),
+    (["--alphas", "0.1,,0.5"], "--alphas: an empty value in '0.1,,0.5'"),
+    (["--grid", "lr=0.1,"], "--grid lr: an empty value"),
+    (["--methods", "fedavg", "--grid", "lam=0,0.5"], "--grid lam: none of the sweep's methods reads it (an option "
+                                                      "of pfedkdh)"),
+    (["--methods", "fedprox", "--grid", "mu=0,1"], "(fedprox's own mu: --method-arg fedprox:mu=V, one value a sweep)"),
 ])
 def test_sweep_bad_options_are_one_line_errors(argv, message, capsys):
     assert cli_main(["sweep", "--datasets", "digits", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_a_sweep_checks_every_dataset_before_its_first_point(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert cli_main(["sweep", "--datasets", "digits,cifar100", "--data-dir", str(tmp_path), "--rounds", "1",
+                     "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pfedkdh: error: dataset 'cifar100' version") and "is not prepared" in err
+    assert f"data_dir='{tmp_path}'" in err   # the instructions' Python code is left as Python
+    assert not out.exists()   # nothing ran, nothing was written
+
+
+def test_scores_on_a_validation_split_say_so(tmp_path, capsys):
+    """--validation-fraction scores a split of client train data: the log, summary.json, table.md,
+    table.csv and the report name it, so validation figures are not read as test figures."""
+    from pfedkdh_jax.run.report import table
+    from pfedkdh_jax.run.report import load_run
+    out = tmp_path / "sweep"
+    assert cli_main(["sweep", "--datasets", "digits", "--methods", "fedper", "--rounds", "1", "--clients", "4",
+                     "--aux-size", "100", "--local-epochs", "1", "--validation-fraction", "0.2", "--out", str(out),
+                     "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert "scored on a validation split of each client's train data" in said and "total validation" in said
+    assert "Scored on a validation split (0.2 of each client's train data" in said
+    assert "not on the clients' test splits" in (out / "table.md").read_text()
+    assert {r["split"] for r in csv_rows(out)} == {"validation"}
+    point = out / "points" / "digits-a0.1-fedper"
+    assert json.loads((point / "summary.json").read_text())["scored_split"] == "validation"
+    assert "digits-a0.1-fedper (validation split)" in table([load_run(str(point))])

@@ -342,17 +342,22 @@ def partition_summary(partition: Partition, labels: np.ndarray, num_classes: int
 
 
 def format_summary(summary: dict) -> str:
-    """Renders a :func:`partition_summary` as text: a header, one line per client, and a totals line."""
+    """Renders a :func:`partition_summary` as text: a header, one line per client, and a totals line
+    (the scored split named ``validation`` when the summary's ``scored_split`` says so)."""
+    scored = summary.get("scored_split", "test")
+    head = "val" if scored == "validation" else "test"
     lines = [
-        f"{summary['num_clients']} clients, aux set D_s: {summary['aux_size']} samples",
-        f"{'client':>6} {'train':>7} {'test':>6} {'classes':>7}",
+        f"{summary['num_clients']} clients, aux set D_s: {summary['aux_size']} samples"
+        + ("; scored on a validation split of each client's train data (not its test split)"
+           if scored == "validation" else ""),
+        f"{'client':>6} {'train':>7} {head:>6} {'classes':>7}",
     ]
     rows = zip(summary["train_sizes"], summary["test_sizes"], summary["classes_per_client"])
     for k, (train, test, classes) in enumerate(rows):
         lines.append(f"{k:>6} {train:>7} {test:>6} {classes:>7}")
     lines.append(
         f"train sizes: min {summary['min_train']}, max {summary['max_train']}, mean {summary['mean_train']:.1f}; "
-        f"total train {sum(summary['train_sizes'])}, total test {sum(summary['test_sizes'])}"
+        f"total train {sum(summary['train_sizes'])}, total {scored} {sum(summary['test_sizes'])}"
     )
     return "\n".join(lines)
 

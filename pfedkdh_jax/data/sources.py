@@ -236,6 +236,18 @@ def load_pool(name: str, data_dir: str | None = None, cache_dir: str | None = No
     return _load_tfds_pool(name, data_dir, cache_dir)
 
 
+def check_available(name: str, data_dir: str | None = None) -> None:
+    """A :class:`DataError` (as :func:`load_pool` would raise it) when dataset ``name`` is unknown or not
+    prepared under the data directory; reads no data (a sweep checks all its datasets before its
+    first point)."""
+    if name in _REGISTERED or name in ("digits", "synthetic"):
+        return
+    if name not in DATASETS:
+        raise DataError(f"unknown dataset {name!r}; allowed values: {', '.join(dataset_names())}")
+    root = resolve_data_dir(data_dir) or _default_tfds_dir()
+    _check_prepared(name, _registered_version(name, root), root)
+
+
 def synthetic_images(num_samples: int, shape: tuple[int, ...] = (28, 28, 1), num_classes: int = 10,
                      seed: int = 0) -> Pool:
     """A pool of any size for scale tests: ``uint8`` images of ``shape`` whose label decides their mean.

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
 import os
+import re
 import sys
 
 from pfedkdh_jax.run.config import METHODS, PRESETS, ConfigError, RunConfig, make_config
@@ -107,8 +110,27 @@ def _preset_note(field: str) -> str:
     return ", or the preset's" if field in _PRESET_FIELDS else ""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (naming the command's --help), not the usage too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+def _with_default(hlp: str, default, field: str) -> str:
+    """A flag's help with its default, unless the help already says it (or there is none to say)."""
+    if "default" in hlp or (default is None and not _preset_note(field)):
+        return hlp
+    return f"{hlp} (default: {default}{_preset_note(field)})"
+
+
+def _method_arg_help() -> str:
+    own = "; ".join(f"{m}: {', '.join(spec.args)}" for m, spec in METHODS.items() if spec.args)
+    return f"a method's own option, repeatable ({own})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pfedkdh", description="pFedKDH in JAX: personalized federated "
+    p = _Parser(prog="pfedkdh", description="pFedKDH in JAX: personalized federated "
                                 "learning with global knowledge distillation and local head adaptation.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run one federated experiment",
@@ -121,11 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, field, typ, hlp in _FLAGS:
         default = RunConfig.__dataclass_fields__[field].default
         r.add_argument(flag, dest=field, type=typ, default=None,
-                       help=f"{hlp} (default: {default}{_preset_note(field)})")
+                       help=_with_default(hlp, default, field))
     for flag, field, value, hlp in _SWITCHES:
         r.add_argument(flag, dest=field, action="store_const", const=value, default=None, help=hlp)
     r.add_argument("--method-arg", dest="method_args", action="append", default=None, metavar="KEY=VALUE",
-                   help="a method's own option, repeatable (see pfedkdh_jax/algorithms/__init__.py)")
+                   help=_method_arg_help())
     r.add_argument("--plugin", dest="plugins", action="append", default=None, metavar="MODULE",
                    help=_PLUGIN_HELP)
     r.add_argument("--config", default=None, metavar="FILE",
@@ -181,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="compare finished runs: a table and a figure")
     rep.add_argument("run_dirs", nargs="+")
     rep.add_argument("--out", default=None, help="directory for the figures (default: the first run dir)")
+    p.commands = {"run": r, "resume": res, "sweep": sw, "report": rep}
     return p
 
 
@@ -213,8 +236,27 @@ def load_config_file(path: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # named by the command's parser, with the nearest option
+        command = parser.commands[args.command]
+        near = difflib.get_close_matches(extra[0].split("=")[0], command._option_string_actions, n=1,
+                                     cutoff=0.7)
+        command.error(f"unrecognized arguments: {' '.join(extra)}" + (f"; did you mean {near[0]}?" if near else ""))
     _request_devices(args)
+    try:
+        return _command(args)
+    except KeyboardInterrupt:   # Ctrl-C: one line on how to continue, not JAX's traceback
+        print(f"\npfedkdh: interrupted; {_ON_INTERRUPT.get(args.command, 'nothing was lost')}", file=sys.stderr)
+        return 130
+
+
+# what a Ctrl-C leaves and how to go on, per command (a run's line is set once its directory is known)
+_ON_INTERRUPT = {"sweep": "run the same command again to continue the sweep (finished points are kept, the others "
+                          "resume from their last checkpoints)"}
+
+
+def _command(args) -> int:
     if args.command == "resume":
         return _resume(args)
     if args.command == "report":
@@ -233,11 +275,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--method-arg must be KEY=VALUE; got {bad[0]!r}")
             values["method_args"] = tuple(tuple(a.split("=", 1)) for a in args.method_args)
         cfg = make_config(args.preset, **values)
-        from pfedkdh_jax.run.experiment import run  # jax imported only now
+        from pfedkdh_jax.run.experiment import default_out_dir, run  # jax imported only now
+        cfg = dataclasses.replace(cfg, out=cfg.out or default_out_dir(cfg))
+        _ON_INTERRUPT["run"] = _resume_hint(cfg.out, cfg.checkpoint_every)
         return _guarded(lambda: run(cfg, progress=not args.no_progress))
     except (ConfigError, DataError) as e:
-        print(f"pfedkdh: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
 
 
 def _request_devices(args) -> None:
@@ -268,11 +311,11 @@ def _sweep(args) -> int:
                                          "method_args", "stack") if k in spec}
         options = {**spec, **{k: tuple(v) if k == "plugins" else v for k, v in vars(args).items()
                               if k in RunConfig.__dataclass_fields__ and v is not None}}
-        split = lambda text: [x for x in text.split(",") if x]  # noqa: E731
-        datasets = split(args.datasets) if args.datasets else axes.get("datasets", ["digits"])
-        methods = split(args.methods) if args.methods else axes.get("methods", ["pfedkdh"])
+        datasets = _split(args.datasets, "--datasets") if args.datasets is not None else axes.get("datasets", ["digits"])
+        methods = _split(args.methods, "--methods") if args.methods is not None else axes.get("methods", ["pfedkdh"])
+        alphas = _split(args.alphas, "--alphas") if args.alphas is not None else axes.get("alphas", [0.1])
         try:
-            alphas = [float(a) for a in split(args.alphas)] if args.alphas else axes.get("alphas", [0.1])
+            alphas = [float(a) for a in alphas]
         except ValueError:
             raise ConfigError(f"--alphas must be comma-separated numbers; got {args.alphas!r}") from None
         grid = dict(axes.get("grid", {}))
@@ -282,8 +325,9 @@ def _sweep(args) -> int:
             key, values = item.split("=", 1)
             key = key.replace("-", "_")
             typ = _field_type(key)
+            items = _split(values, f"--grid {key}")
             try:
-                grid[key] = [typ(v) for v in split(values)]
+                grid[key] = [typ(v) for v in items]
             except (ValueError, KeyError):
                 raise ConfigError(f"--grid {key}: values must be {getattr(typ, '__name__', 'true/false')}; "
                                   f"got {values!r}") from None
@@ -306,16 +350,45 @@ def _sweep(args) -> int:
         result = _guarded_sweep(lambda: run_sweep(sweep, out, progress=not args.no_progress,
                                                     order=args.order))
     except (ConfigError, DataError) as e:
-        print(f"pfedkdh: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     if isinstance(result, int):
         return result
     if result["table"] is None:   # not process 0 of a distributed sweep
         print(f"sweep directory: {out} (this process's points done; process 0 writes the tables)")
         return 0
     print(result["table"])
+    if result.get("note"):
+        print(result["note"])
     print(f"sweep directory: {out} (table.md, table.csv, costs.md, {len(result['figures'])} figure(s))")
     return 0
+
+
+def _in_flags(message: str) -> str:
+    """A data error of the library (Python's parameter names: ``num_clients``, ``aux_size=300``,
+    ``fill='top_up'``) in the command line's terms (``--clients``, ``--aux-size 300``, ``--fill top_up``);
+    its first line only (what follows may be instructions with Python code to copy)."""
+    first, nl, rest = message.partition("\n")
+    for flag, field, *_ in _FLAGS:
+        if "_" in field or field in ("alpha", "fill"):
+            first = re.sub(rf"\b{field}=(['\"]?)([^\s'\",;)]+)\1", rf"{flag} \2", first)
+            first = re.sub(rf"(?<![-\w]){field}\b", flag, first)
+    return first + nl + rest
+
+
+def _error(e: Exception) -> int:
+    """A known failure as one line (a data error in the flags' names); exit code 2."""
+    print(f"pfedkdh: error: {_in_flags(str(e)) if isinstance(e, DataError) else e}", file=sys.stderr)
+    return 2
+
+
+def _split(text: str, flag: str) -> list[str]:
+    """A comma-separated list of a sweep's flag; an empty list or an empty item is a ConfigError."""
+    items = [x.strip() for x in text.split(",")]
+    if not any(items):
+        raise ConfigError(f"{flag} needs at least one value; got {text!r}")
+    if not all(items):
+        raise ConfigError(f"{flag}: an empty value in {text!r} (comma-separated, e.g. 0.05,0.1)")
+    return items
 
 
 def _start_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
@@ -341,21 +414,26 @@ def _guarded_sweep(job):
     try:
         return job()
     except CheckpointError as e:
-        print(f"pfedkdh: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     except DivergenceError as e:
         print(f"pfedkdh: {e.kind}: {e}", file=sys.stderr)
         return 3
 
 
+def _resume_hint(run_dir: str, every: int | None) -> str:
+    if every == 0:
+        return f"the run kept no checkpoints (--checkpoint-every 0): {run_dir} holds its rounds so far"
+    return f"`pfedkdh resume {run_dir}` continues the run from its last checkpoint"
+
+
 def _resume(args) -> int:
     from pfedkdh_jax.run.config import plugins
     from pfedkdh_jax.run.experiment import resume
+    _ON_INTERRUPT["resume"] = _resume_hint(args.run_dir, None)
     try:
         given = {} if args.plugins is None else {"plugins": plugins(args.plugins)}
     except ConfigError as e:
-        print(f"pfedkdh: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     return _guarded(lambda: resume(args.run_dir, progress=not args.no_progress, **given))
 
 
@@ -366,8 +444,7 @@ def _guarded(job) -> int:
     try:
         summary = job()
     except (ConfigError, DataError, CheckpointError) as e:
-        print(f"pfedkdh: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     except DivergenceError as e:
         print(f"pfedkdh: {e.kind}: {e}", file=sys.stderr)
         return 3

@@ -217,7 +217,9 @@ def _check_method_options(cfg: RunConfig) -> None:
         if getattr(cfg, name) != getattr(defaults, name) and name not in METHODS[cfg.method].run_options:
             users = ", ".join(m for m, spec in METHODS.items() if name in spec.run_options)
             flag = "--average-heads" if name == "persistent_heads" else "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} is an option of {users}; --method {cfg.method} does not use it")
+            own = (f" (its own {name}: --method-arg {name}={getattr(cfg, name)})"
+                   if name in METHODS[cfg.method].args else "")
+            raise ConfigError(f"{flag} is an option of {users}; --method {cfg.method} does not use it{own}")
 
 
 def _check_method_config(cfg: RunConfig) -> None:

@@ -79,9 +79,11 @@ def prepare_data(cfg: RunConfig, pool: data_lib.Pool | None = None) -> tuple[dat
             pool.labels, num_clients=cfg.num_clients, alpha=cfg.alpha, aux_size=cfg.aux_size,
             min_client_samples=cfg.min_client_samples, balance_cap=cfg.balance_cap,
             train_fraction=cfg.train_fraction, seed=cfg.data_seed, fill=getattr(cfg, "fill", "auto"))
+    summary_extra = {}
     if cfg.validation_fraction > 0:
         part = data_lib.validation_partition(part, cfg.validation_fraction, cfg.data_seed)
-    return pool, part, data_lib.partition_summary(part, pool.labels, pool.num_classes)
+        summary_extra["scored_split"] = "validation"   # what its "test" sizes are: the printed summary says so
+    return pool, part, {**data_lib.partition_summary(part, pool.labels, pool.num_classes), **summary_extra}
 
 
 def make_algorithm(cfg: RunConfig, num_classes: int, conv_form: str | None = None):
@@ -195,6 +197,8 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
             raise ConfigError("return_state takes one run")
     for c in cfgs:
         _check_writable(c.out)
+        if not resume:
+            _check_unused(c.out)
     with locked([c.out for c in cfgs]):
         return _run_stacked(cfgs, progress=progress, log=log, return_state=return_state, resume=resume)
 
@@ -214,7 +218,7 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
     metrics_paths = _open_run_dirs(cfgs, eng, histories, resume)
     t_start = time.perf_counter()
     _train(cfgs, runs, eng, groups, states, histories, metrics_paths, start, progress)
-    summaries = _finish(cfgs, runs, eng, histories, time.perf_counter() - t_start, log)
+    summaries = _finish(cfgs, runs, eng, histories, start, time.perf_counter() - t_start, log)
     if return_state:
         return [(summaries[0], states[0], eng.data, eng.algo, eng.runner.runners[-1])]
     return summaries
@@ -448,13 +452,17 @@ def _stop_on_divergence(cfgs, runs: _Runs, eng: _Engine, histories, rep_rows, t:
                 raise error(f"{problem}{who} at round {t + 1}{hint}; everything up to it is in {c.out}")
 
 
-def _finish(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, histories: list, seconds: float, log) -> list[dict]:
-    """Each run's summary.json (with its message bytes) and curves.png; returns the summaries."""
+def _finish(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, histories: list, start: int, seconds: float,
+            log) -> list[dict]:
+    """Each run's summary.json (with its message bytes) and curves.png; returns the summaries.
+    ``seconds``: this session's rounds ``start`` … ``rounds − 1``; the rounds of earlier sessions (a
+    resumed run) count by their metrics rows."""
     summaries = []
     for i, c in enumerate(cfgs):
         summary = records.summary(c, histories[i], runs.summaries[i], eng.runners[i], status="completed")
         summary["bytes_per_client_round"] = message_bytes(eng.algo, eng.datas[i], streams(c.seed)["init"])
-        summary["total_seconds"] = seconds
+        summary["total_seconds"] = sum(r.get("seconds", 0.0) for r in histories[i][:start]) + seconds
+        summary["session_seconds"] = seconds
         if len(cfgs) > 1:
             summary["stacked_runs"] = [o.out for o in cfgs]   # its round times are the whole stack's
         records.write_json(os.path.join(c.out, "summary.json"), summary)
@@ -536,6 +544,21 @@ def _check_writable(out_dir: str) -> None:
         raise ConfigError(f"--out {out_dir}: no permission to write in {probe}")
 
 
+def _check_unused(out_dir: str) -> None:
+    """A fresh run's directory must not hold a sweep or a run's results (a ConfigError says what it
+    holds): a run killed before its first checkpoint, with nothing to keep, may start again there."""
+    if os.path.exists(os.path.join(out_dir, "sweep.json")):
+        raise ConfigError(f"--out {out_dir} holds a sweep (sweep.json): give the run a directory of its own")
+    try:
+        with open(os.path.join(out_dir, "summary.json")) as f:
+            held = json.load(f)
+    except (OSError, ValueError):
+        return
+    what = f"a {held.get('status', 'finished')} {held.get('method', '')} run".replace("  ", " ")
+    raise ConfigError(f"--out {out_dir} already holds {what} ({held.get('rounds_completed', '?')} rounds): choose "
+                      f"another --out, remove it to start over, or continue it with `pfedkdh resume {out_dir}`")
+
+
 def _make_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
@@ -605,7 +628,17 @@ def load_run_config(run_dir: str, **overrides) -> RunConfig:
 
 
 def resume(run_dir: str, *, progress: bool = True, log=print, **overrides) -> dict[str, Any]:
-    """Continue the run in ``run_dir`` with the config stored there."""
-    return run(load_run_config(run_dir, **overrides), progress=progress, log=log, resume=True)
+    """Continue the run in ``run_dir`` with the config stored there (and ``overrides``). A run already
+    complete is left as it is: its summary is returned."""
+    cfg = validate(load_run_config(run_dir, **overrides))   # its method and dataset found (plugins), its options
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            done = json.load(f)
+    except (OSError, ValueError):
+        done = None
+    if done and done.get("status") == "completed" and done.get("rounds_completed") == cfg.rounds:
+        log(f"{run_dir}: already complete ({cfg.rounds} rounds); nothing to resume")
+        return {**done, "out": run_dir}
+    return run(cfg, progress=progress, log=log, resume=True)
 
 

@@ -99,7 +99,9 @@ def summary(cfg, history: list[dict], part_summary: dict, runner,
     per-repetition summaries under ``repetitions``."""
     summary: dict[str, Any] = {"method": cfg.method, "dataset": cfg.dataset, "alpha": cfg.alpha,
                                "seed": cfg.seed, "data_seed": cfg.data_seed, "reps": cfg.reps,
-                               "status": status, "rounds_completed": len(history)}
+                               "status": status, "rounds_completed": len(history),
+                               # the split the accuracies come from (--validation-fraction > 0: validation)
+                               "scored_split": "validation" if cfg.validation_fraction > 0 else "test"}
     if history and "reps" in history[0]:
         per_rep = [metric_summary([row["reps"][r] for row in history]) for r in range(len(history[0]["reps"]))]
         for key in per_rep[0]:

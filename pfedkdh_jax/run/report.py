@@ -53,7 +53,10 @@ def table(runs: list[dict]) -> str:
     for r in runs:
         c, s = r["config"], r["summary"]
         spr = s.get("seconds_per_round")
-        lines.append(f"| {os.path.basename(os.path.normpath(r['dir']))} | {c.get('method')} | {c.get('dataset')} | "
+        name = os.path.basename(os.path.normpath(r["dir"]))
+        if (c.get("validation_fraction") or 0) > 0:   # not test accuracies: say so on the row
+            name += " (validation split)"
+        lines.append(f"| {name} | {c.get('method')} | {c.get('dataset')} | "
                      f"{c.get('alpha')} | {_pm(s, KEY)} | {_pm(s, 'best_' + KEY)} | {_pm(s, KEY + '_ea')} | "
                      f"{'–' if spr is None else f'{spr:.2f}'} | {s.get('rounds_completed', len(r['rows']))} |")
     return "\n".join(lines)

@@ -52,6 +52,7 @@ import shutil
 from typing import Any, Callable
 
 from pfedkdh_jax.algorithms import METHODS
+from pfedkdh_jax.data.sources import check_available
 from pfedkdh_jax.run.config import ConfigError, RunConfig, make_config, plugins
 
 # RunConfig fields that only some methods read (a --grid over one of them applies to those methods)
@@ -98,6 +99,11 @@ def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", 
         if key in _AXES or key not in RunConfig.__dataclass_fields__:
             raise ConfigError(f"--grid {key}: not a run option that a grid can vary")
         listed(f"grid {key}", values)
+        if key in _METHOD_FIELDS and not any(key in METHODS[m].run_options for m in methods if m in METHODS):
+            users = ", ".join(m for m, spec in METHODS.items() if key in spec.run_options)
+            own = [m for m in methods if m in METHODS and key in METHODS[m].args]
+            hint = f" ({own[0]}'s own {key}: --method-arg {own[0]}:{key}=V, one value a sweep)" if own else ""
+            raise ConfigError(f"--grid {key}: none of the sweep's methods reads it (an option of {users}){hint}")
     if not isinstance(seeds, int) or seeds < 1:
         raise ConfigError(f"--seeds must be >= 1; got {seeds}")
     sweep = Sweep(listed("datasets", datasets), tuple(float(a) for a in listed("alphas", alphas)),
@@ -181,6 +187,8 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
     index, count = jax.process_index(), jax.process_count()
     if count > 1:
         log = _prefixed(log, f"[process {index}/{count}] ")
+    for dataset, data_dir in dict.fromkeys((c.dataset, c.data_dir) for _, c in points(sweep, out)):
+        check_available(dataset, data_dir)   # every dataset before the first point, not hours into the sweep
     os.makedirs(out, exist_ok=True)
     spec_path = os.path.join(out, "sweep.json")
 
@@ -361,17 +369,22 @@ def write_outputs(sweep: Sweep, out: str) -> dict:
 
     columns, rows = table_rows(sweep, out)
     text = table_markdown(columns, rows)
+    fraction = dict(sweep.options).get("validation_fraction", 0) or 0
+    split = "validation" if fraction > 0 else "test"
+    note = (f"Scored on a validation split ({fraction:g} of each client's train data, --validation-fraction), "
+            "not on the clients' test splits." if fraction > 0 else "")
     with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(f"Final mean ± std over {sweep.seeds} seed(s), %; best of each column in bold.\n\n{text}\n")
+        f.write(f"Final mean ± std over {sweep.seeds} seed(s), %; best of each column in bold."
+                + (f" {note}" if note else "") + f"\n\n{text}\n")
     with open(os.path.join(out, "table.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["row", "method", "metric", "cell", "mean", "std", "seeds", "status", "rounds"])
+        w.writerow(["row", "method", "metric", "cell", "mean", "std", "seeds", "status", "rounds", "split"])
         for r in rows:
             for c in columns:
                 if c in r["cells"]:
                     cell = r["cells"][c]
                     w.writerow([r["row"], r["method"], r["metric"], c, cell["mean"], cell["std"], cell["seeds"],
-                                cell["status"], cell["rounds"]])
+                                cell["status"], cell["rounds"], split])
     with open(os.path.join(out, "costs.md"), "w") as f:
         f.write(costs_markdown(sweep, out) + "\n")
     figures = []
@@ -383,4 +396,4 @@ def write_outputs(sweep: Sweep, out: str) -> dict:
             path = os.path.join(out, f"curves-{d}-a{_fmt(a)}.png")
             comparison_figure(runs, path, title=f"{d}, α = {a:g}")
             figures.append(path)
-    return {"table": text, "columns": columns, "rows": rows, "figures": figures, "out": out}
+    return {"table": text, "columns": columns, "rows": rows, "figures": figures, "out": out, "note": note}
