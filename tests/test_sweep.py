@@ -40,6 +40,7 @@ def test_sweep_tables_rerun_and_interrupted_resume(tmp_path):
     assert all(float(r["std"]) > 0 for r in rows)      # two seeds that differ
     table = open(os.path.join(a, "table.md")).read()
     assert "digits α=0.5" in table and "digits α=1" in table and table.count("**") == 4  # one bold per column
+    assert "| fedavg (global) |" in table and "| fedper |" in table
     costs = open(os.path.join(a, "costs.md")).read()
     cost_rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
                  for line in costs.splitlines()[2:]}
@@ -159,3 +160,20 @@ def test_scores_on_a_validation_split_say_so(tmp_path, capsys):
     point = out / "points" / "digits-a0.1-fedper"
     assert json.loads((point / "summary.json").read_text())["scored_split"] == "validation"
     assert "digits-a0.1-fedper (validation split)" in table([load_run(str(point))])
+
+
+def test_another_grid_in_a_sweep_directory_names_what_differs(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    out.mkdir()
+    stored = make_sweep(["digits"], [0.5], ["fedper"], options=SMALL)
+    (out / "sweep.json").write_text(json.dumps(stored.to_json()))
+    for sweep, differs in [(make_sweep(["digits"], [0.5], ["fedper", "fedavg"], options=SMALL),
+                            "its methods fedper, this one's fedper,fedavg"),
+                           (make_sweep(["digits"], [0.5], ["fedper"], options={**SMALL, "rounds": 3}),
+                            "its rounds 2, this one's 3")]:
+        with pytest.raises(ConfigError, match=f"holds another sweep \\({differs}\\); a sweep directory holds one grid"):
+            run_sweep(sweep, str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["sweep.json"]
+    # a sweep directory is not a run directory: resume and report say where its runs are
+    assert cli_main(["resume", str(out)]) == 2
+    assert "it holds a sweep; its runs are its points/*" in capsys.readouterr().err

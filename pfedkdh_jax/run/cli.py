@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--datasets", default=None, help="comma-separated (default: digits)")
     sw.add_argument("--alphas", default=None, help="comma-separated Dirichlet α values (default: 0.1)")
     sw.add_argument("--methods", default=None, help=f"comma-separated, of: {', '.join(METHODS)} (default: pfedkdh)")
-    sw.add_argument("--seeds", type=int, default=None, help="seeds per point, run as repetitions (default: 1)")
+    sw.add_argument("--seeds", type=int, default=None, help="how many seeds per point (--seed, --seed + 1, ...), run as one run's "
+                                                          "repetitions (default: 1)")
     sw.add_argument("--grid", action="append", default=None, metavar="OPTION=V1,V2",
                     help="run option values to sweep, repeatable (e.g. lam=0,0.5); applied to the methods "
                          "that read the option")
@@ -450,7 +451,7 @@ def _guarded(job) -> int:
         return 3
     keys = ["personalized_macro_accuracy", "personalized_macro_accuracy_ea", "global_macro_accuracy",
             "best_personalized_macro_accuracy", "seconds_per_round", "compile_seconds"]
-    print(json.dumps({k: summary.get(k) for k in keys}, indent=2))
+    print(json.dumps({k: summary[k] for k in keys if summary.get(k) is not None}, indent=2))   # what it has
     print(f"run directory: {summary['out']}")
     return 0
 

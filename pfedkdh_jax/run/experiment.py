@@ -207,7 +207,7 @@ def _run_stacked(cfgs: list[RunConfig], *, progress: bool, log, return_state: bo
     """:func:`run_stacked` once its run directories are checked and locked: one run (or a stack of
     runs) as its named steps."""
     pool = _load_pool(cfgs[0], log)
-    runs = _partition_runs(cfgs, pool, resume, log)
+    runs = _partition_runs(cfgs, pool, log)
     eng = _build_engine(cfgs, pool, runs, log)
     groups, states = _initial_groups(cfgs, eng)
     start, histories = 0, [[] for _ in cfgs]
@@ -262,19 +262,15 @@ def _load_pool(cfg: RunConfig, log) -> data_lib.Pool:
     return pool
 
 
-def _partition_runs(cfgs: list[RunConfig], pool, resume: bool, log) -> _Runs:
-    """Each run's partition (logged) and checkpoints; a run directory holding checkpoints stops a
-    run that is not a resume."""
+def _partition_runs(cfgs: list[RunConfig], pool, log) -> _Runs:
+    """Each run's partition (logged) and checkpoints."""
     stacked = len(cfgs) > 1
     runs = _Runs([], [], [])
     for c in cfgs:
         _, part, part_summary = prepare_data(c, pool)
         log((f"{c.out} (α = {c.alpha:g}, data seed {c.data_seed}):\n" if stacked else "")
             + data_lib.format_summary(part_summary))
-        ck = Checkpoints(c.out, fingerprint(c.to_dict(), part), log=log)
-        if not resume and ck.rounds():
-            raise CheckpointError(f"{c.out} already holds checkpoints of a run; continue it with "
-                                  f"`pfedkdh resume {c.out}` or choose another --out")
+        ck = Checkpoints(c.out, fingerprint(c.to_dict(), part), log=log)   # (a fresh run's: none, _check_unused)
         runs.parts.append(part)
         runs.summaries.append(part_summary)
         runs.ckpts.append(ck)
@@ -545,14 +541,19 @@ def _check_writable(out_dir: str) -> None:
 
 
 def _check_unused(out_dir: str) -> None:
-    """A fresh run's directory must not hold a sweep or a run's results (a ConfigError says what it
-    holds): a run killed before its first checkpoint, with nothing to keep, may start again there."""
+    """A fresh run's directory must not hold a sweep, a run's results or its checkpoints (a ConfigError
+    says what it holds, before anything loads): a run killed before its first checkpoint, with nothing
+    to keep, may start again there."""
     if os.path.exists(os.path.join(out_dir, "sweep.json")):
         raise ConfigError(f"--out {out_dir} holds a sweep (sweep.json): give the run a directory of its own")
     try:
         with open(os.path.join(out_dir, "summary.json")) as f:
             held = json.load(f)
     except (OSError, ValueError):
+        ckpt = os.path.join(out_dir, "checkpoints")
+        if os.path.isdir(ckpt) and os.listdir(ckpt):
+            raise ConfigError(f"{out_dir} already holds checkpoints of a run; continue it with "
+                              f"`pfedkdh resume {out_dir}` or choose another --out") from None
         return
     what = f"a {held.get('status', 'finished')} {held.get('method', '')} run".replace("  ", " ")
     raise ConfigError(f"--out {out_dir} already holds {what} ({held.get('rounds_completed', '?')} rounds): choose "
@@ -616,7 +617,9 @@ def load_run_config(run_dir: str, **overrides) -> RunConfig:
     """The :class:`RunConfig` stored in ``run_dir``/config.json (with ``overrides``; ``out`` = ``run_dir``)."""
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
-        raise CheckpointError(f"{run_dir} is not a run directory (no config.json)")
+        hint = (": it holds a sweep; its runs are its points/* (to continue the sweep, run its command again)"
+                if os.path.exists(os.path.join(run_dir, "sweep.json")) else " (no config.json)")
+        raise CheckpointError(f"{run_dir} is not a run directory{hint}")
     with open(path) as f:
         stored = json.load(f)
     fields = {f.name for f in dataclasses.fields(RunConfig)}

@@ -26,7 +26,9 @@ def load_run(run_dir: str) -> dict[str, Any]:
         with open(path) as f:
             return json.load(f)
     if not os.path.exists(os.path.join(run_dir, "config.json")):
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
+        hint = (f": it holds a sweep, whose runs are {os.path.join(run_dir, 'points', '*')} (and its tables, "
+                "table.md)" if os.path.exists(os.path.join(run_dir, "sweep.json")) else " (no config.json)")
+        raise FileNotFoundError(f"{run_dir} is not a run directory{hint}")
     rows = []
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):

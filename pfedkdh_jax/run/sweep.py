@@ -167,6 +167,14 @@ def _grid_of(spec: dict) -> dict:
     return {k: v for k, v in spec.items() if k != "stack"}
 
 
+def _spec_value(value) -> str:
+    """A sweep.json field as one short line."""
+    if isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value):
+        return ",".join(map(str, value)) or "none"
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 ORDERS = ("table", "methods")
 
 
@@ -196,8 +204,17 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
         with open(spec_path) as f:
             stored = json.load(f)
         # the same grid (whether its points stack is how, not what: it may change between calls)
-        if _grid_of(stored) != _grid_of(sweep.to_json()):
-            raise ConfigError(f"{out} holds another sweep (its sweep.json differs); choose another --out")
+        old, new = _grid_of(stored), _grid_of(sweep.to_json())
+        if old != new:
+            key = next(k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
+            was, now = old.get(key), new.get(key)
+            if key == "options":   # name the run option that differs
+                was, now = dict(map(tuple, was or [])), dict(map(tuple, now or []))
+                key = next(k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k))
+                was, now = was.get(key, "unset"), now.get(key, "unset")
+            raise ConfigError(f"{out} holds another sweep (its {key} {_spec_value(was)}, this one's "
+                              f"{_spec_value(now)}); a sweep directory holds one grid: choose another "
+                              "--out (its points stay usable by `pfedkdh report`)")
     # process 0 checks or writes the spec (whole, by a rename); the others read it after the barrier,
     # never while it is being written
     if index == 0:
@@ -318,6 +335,8 @@ def table_rows(sweep: Sweep, out: str) -> tuple[list[str], list[dict]]:
                                      "rounds": summary.get("rounds_completed")}
         if cfg.method == "pfedkdh" and label in rows:
             rows[label]["row"] = label + " (Fair)"
+        elif metric.startswith("global") and label in rows:   # a shared-model method: its global model's
+            rows[label]["row"] = label + " (global)"
     return columns, list(rows.values())
 
 
