@@ -48,11 +48,12 @@ ROWS = [("fedavg", "FedAvg", "fedavg"), ("fedprox", "FedProx", "fedprox"), ("dit
         ("pfedme", "pFedMe", "pfedme"), ("pfedsim", "pFedSim", None),
         ("pfedkdh-lam0.0", "pFedKDH-Fair λ = 0 (default)", "pfedkdh-fair"),
         ("pfedkdh-lam0.0-ea", "pFedKDH-EA λ = 0", "pfedkdh-ea"),
-        ("pfedkdh-lam0.5", "pFedKDH-Fair λ = 0.5 (paper's)", "pfedkdh-fair"),
+        ("pfedkdh-lam0.5", "pFedKDH-Fair λ = 0.5 (distillation on)", "pfedkdh-fair"),
         ("pfedkdh-lam0.5-ea", "pFedKDH-EA λ = 0.5", "pfedkdh-ea")]
 LABEL = {r: label for r, label, _ in ROWS}
+PAPER_LABEL = {r: label.split(" λ")[0] for r, label, _ in ROWS}   # the paper's own names (it gives no λ)
 PAPER_ROW = {r: p for r, _, p in ROWS}
-RANKED = [r for r, _, p in ROWS if p and "lam0.0" not in r]   # one row per paper row: the paper's λ = 0.5
+RANKED = [r for r, _, p in ROWS if p and "lam0.0" not in r]   # one row per paper row: distillation on (λ = 0.5) for its pFedKDH
 CURVES = ["pfedkdh-lam0.0", "pfedkdh-lam0.0-ea", "pfedkdh-lam0.5", "pfedkdh-lam0.5-ea", "fedper", "fedbabu", "fedavg"]
 
 
@@ -265,14 +266,26 @@ def ranking_summary(res: dict) -> str:
     return (f"the order differs from the paper's on {differ} of {len(orders)} columns (Kendall's τ, ours against "
             "the paper's: " + ", ".join(f"{col_name(c)} {kendall_tau(*o):+.2f}" for c, o in orders.items())
             + f"); the paper's first row is first here on {same_top} of {len(orders)}; first here: "
-            + ", ".join(f"{LABEL[r]} on {n}" for r, n in sorted(lead.items(), key=lambda kv: (-kv[1], kv[0]))))
+            + ", ".join(f"{LABEL[r]} on {n}" for r, n in sorted(lead.items(), key=lambda kv: (-kv[1], kv[0])))
+            + default_lead(res, orders))
+
+
+def default_lead(res: dict, orders: dict) -> str:
+    """Where the default pFedKDH (λ = 0, not among the ranked rows) would come first."""
+    firsts = [col for col, (ours, _) in orders.items()
+              if any((r, col) in res["cells"] and res["cells"][(r, col)]["value"] > res["cells"][(ours[0], col)]["value"]
+                     for r in ("pfedkdh-lam0.0", "pfedkdh-lam0.0-ea"))]
+    if not firsts:
+        return "; the default pFedKDH (λ = 0), left out of the ranking, would be first on none"
+    return ("; the default pFedKDH (λ = 0), left out of the ranking, would be first on "
+            + ", ".join(col_name(c) for c in firsts))
 
 
 def ranking_lines(res: dict) -> list[str]:
     """Per Table 2 column with two or more of the paper's rows filled: is their order the paper's?"""
     return [f"{col_name(col)} the paper's order ({len(ours)} rows)" if ours == theirs else
             f"{col_name(col)} differs (here {' > '.join(LABEL[r] for r in ours)}; the paper's "
-            f"{' > '.join(LABEL[r] for r in theirs)})" for col, (ours, theirs) in _orders(res).items()]
+            f"{' > '.join(PAPER_LABEL[r] for r in theirs)})" for col, (ours, theirs) in _orders(res).items()]
 
 
 def ranking_reading(res: dict) -> str:
