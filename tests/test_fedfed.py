@@ -114,11 +114,26 @@ def phases_run(tiny):
     runner = PhasedRunner(algo, data, Layout("sequential", "unrolled", chunk_steps=1))
     states = [algo.init(jax.random.key(0), data)]
     traces = []
+    runner.metrics = []
     for t, sel in enumerate(SELECTED):
-        states.append(runner.round(states[-1], data, sel, jax.random.key(10 + t), t)[0])
+        state, metrics = runner.round(states[-1], data, sel, jax.random.key(10 + t), t)
+        states.append(state)
+        runner.metrics.append(metrics)
         runner.evaluate(states[-1], data, jax.random.key(0), t)
         traces.append(dict(runner.traces))
     return algo, runner, states, traces
+
+
+def test_phase_b_reports_its_pool_and_an_empty_one_shows(tiny, phases_run):
+    """pool_entries: every train sample's two copies once phase B is entered; 0 from a phase B round run
+    on a state that never entered it (a loop of one's own that forgot phase.enter)."""
+    _, part, data = tiny
+    _, runner, states, _ = phases_run
+    n = sum(len(t) for t in part.train_idx)
+    assert [int(m["pool_entries"]) for m in runner.metrics[2:]] == [2 * n, 2 * n]
+    assert all("pool_entries" not in m for m in runner.metrics[:2])     # phase A has no pool
+    _, forgot = runner.runners[-1].round(states[2], data, SELECTED[2], jax.random.key(12))
+    assert int(forgot["pool_entries"]) == 0
 
 
 def test_pool_holds_two_noisy_copies_of_every_train_sample(tiny, phases_run):

@@ -329,8 +329,10 @@ class FedFedAvg(_FedFedBase):
     def server_update(self, state: FedFedState, data: FederatedData, selected: jax.Array,
                       updates: ClientUpdate, key: jax.Array) -> tuple[FedFedState, dict]:
         del key
-        return (state.replace(params=C.average_uploads(updates.params, data, selected), round=state.round + 1),
-                C.round_metrics(updates))
+        # the pool's size, for a loop of one's own to see: 0 means phase B began without phase.enter
+        # (build_pool), and its clients drew blank entries
+        metrics = {**C.round_metrics(updates), "pool_entries": jnp.sum(state.pool_valid.astype(jnp.int32))}
+        return state.replace(params=C.average_uploads(updates.params, data, selected), round=state.round + 1), metrics
 
     def eval_models(self, state: FedFedState) -> EvalModels:
         return _global_eval(state)
