@@ -320,22 +320,23 @@ def over_fedper_reading(res: dict) -> str:
 SWING = 2.0   # points between a final value and the median of the point's evaluations in the 20 rounds before it
 
 
-def swings(res: dict) -> list[tuple[str, str, float, float]]:
+def swings(res: dict) -> list[tuple[str, str, float, float, int]]:
     """Cells whose final (round-50) value lies SWING points or more from the median of the same point's
-    evaluations in rounds 30–49 (at least two of them): (row, column, final, that median)."""
+    evaluations in rounds 30–49 (at least two of them): (row, column, final, that median, how many)."""
     out = []
     for (row, col), curve in sorted(res["curves"].items()):
         before = [v for r, v in curve.items() if ROUNDS - 20 <= r < ROUNDS]
         if ROUNDS in curve and len(before) >= 2 and abs(curve[ROUNDS] - statistics.median(before)) >= SWING:
-            out.append((row, col, curve[ROUNDS], statistics.median(before)))
+            out.append((row, col, curve[ROUNDS], statistics.median(before), len(before)))
     return out
 
 
 def swing_reading(res: dict) -> str:
     found = swings(res)
     return (f"Final-round swings (a final value {SWING:g} points or more from the median of the same run's "
-            "evaluations in rounds 30–49): " + ("; ".join(f"{_label(r)} {col_name(c)} ({v:.2f} against {m:.2f})"
-                                                           for r, c, v, m in found) or "none") + ".")
+            "evaluations in rounds 30–49): " + ("; ".join(f"{_label(r)} {col_name(c)} ({v:.2f} against {m:.2f}"
+                                                           + (f", the median of only {n} evaluations" if n < 4 else "")
+                                                           + ")" for r, c, v, m, n in found) or "none") + ".")
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -468,7 +469,7 @@ def section_costs(res: dict) -> list[str]:
             f"{s['cpu_pfedsim']['from']}; FedFed: {s['cpu_fedfed']['from']}, `{s['cpu_fedfed']['command']}`. H200: "
             f"{s['gpu']['from']}. MB: {s['bytes']['from']}. Study: the median over its finished points (every cell; "
             "one or two cores, next to other work) and their number.", "",
-            *_table(["method", "s/round, 2-core CPU", "÷ FedPer", "s/round, H200", "s/round, study (points)",
+            *_table(["method", "s/round, 2-core CPU", "÷ FedPer", "s/round, H200", "s/round, study (points; varied machines, cores and load: not a comparison)",
                      "MB down / up per selected client and round"], rows), "",
             f"The paper (its GPU): pFedKDH-Fair {pc['pfedkdh-fair']:.2f} s, EA {pc['pfedkdh-ea']:.2f} s a round, "
             f"\"{pc['fedper_ratio_note']}\"; here pFedKDH ÷ FedPer = {c['pfedkdh']['cpu'] / c['fedper']['cpu']:.2f}× "

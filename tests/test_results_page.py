@@ -205,8 +205,8 @@ def test_final_round_swings(results):
     res["curves"] = {("fedbabu", "mnist/0.05"): {25: 98.0, 30: 99.0, 40: 99.4, 45: 99.2, 50: 94.3},
                      ("fedper", "mnist/0.05"): {30: 99.0, 40: 99.4, 45: 99.2, 50: 97.5},     # 1.7 points: kept
                      ("fedavg", "mnist/0.05"): {25: 80.0, 45: 81.0, 50: 90.0}}              # one evaluation before
-    assert rp.swings(res) == [("fedbabu", "mnist/0.05", 94.3, 99.2)]
-    assert "FedBABU MNIST α = 0.05 (94.30 against 99.20)" in rp.swing_reading(res)
+    assert rp.swings(res) == [("fedbabu", "mnist/0.05", 94.3, 99.2, 3)]
+    assert "FedBABU MNIST α = 0.05 (94.30 against 99.20, the median of only 3 evaluations)" in rp.swing_reading(res)
 
 
 def test_section_replaces_only_the_marked_part(results, tmp_path):
