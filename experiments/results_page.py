@@ -53,7 +53,8 @@ ROWS = [("fedavg", "FedAvg", "fedavg"), ("fedprox", "FedProx", "fedprox"), ("dit
 LABEL = {r: label for r, label, _ in ROWS}
 PAPER_LABEL = {r: label.split(" λ")[0] for r, label, _ in ROWS}   # the paper's own names (it gives no λ)
 PAPER_ROW = {r: p for r, _, p in ROWS}
-RANKED = [r for r, _, p in ROWS if p and "lam0.0" not in r]   # one row per paper row: distillation on (λ = 0.5) for its pFedKDH
+# one row per paper row: distillation on (λ = 0.5) for its pFedKDH rows
+RANKED = [r for r, _, p in ROWS if p and "lam0.0" not in r]
 CURVES = ["pfedkdh-lam0.0", "pfedkdh-lam0.0-ea", "pfedkdh-lam0.5", "pfedkdh-lam0.5-ea", "fedper", "fedbabu", "fedavg"]
 
 
@@ -469,7 +470,8 @@ def section_costs(res: dict) -> list[str]:
             f"{s['cpu_pfedsim']['from']}; FedFed: {s['cpu_fedfed']['from']}, `{s['cpu_fedfed']['command']}`. H200: "
             f"{s['gpu']['from']}. MB: {s['bytes']['from']}. Study: the median over its finished points (every cell; "
             "one or two cores, next to other work) and their number.", "",
-            *_table(["method", "s/round, 2-core CPU", "÷ FedPer", "s/round, H200", "s/round, study (points; varied machines, cores and load: not a comparison)",
+            *_table(["method", "s/round, 2-core CPU", "÷ FedPer", "s/round, H200",
+                     "s/round, study (points; varied machines, cores and load: no comparison)",
                      "MB down / up per selected client and round"], rows), "",
             f"The paper (its GPU): pFedKDH-Fair {pc['pfedkdh-fair']:.2f} s, EA {pc['pfedkdh-ea']:.2f} s a round, "
             f"\"{pc['fedper_ratio_note']}\"; here pFedKDH ÷ FedPer = {c['pfedkdh']['cpu'] / c['fedper']['cpu']:.2f}× "

@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--datasets", default=None, help="comma-separated (default: digits)")
     sw.add_argument("--alphas", default=None, help="comma-separated Dirichlet α values (default: 0.1)")
     sw.add_argument("--methods", default=None, help=f"comma-separated, of: {', '.join(METHODS)} (default: pfedkdh)")
-    sw.add_argument("--seeds", type=int, default=None, help="how many seeds per point (--seed, --seed + 1, ...), run as one run's "
-                                                          "repetitions (default: 1)")
+    sw.add_argument("--seeds", type=int, default=None,
+                    help="how many seeds per point (--seed, --seed + 1, ...), run as one run's repetitions (default: 1)")
     sw.add_argument("--grid", action="append", default=None, metavar="OPTION=V1,V2",
                     help="run option values to sweep, repeatable (e.g. lam=0,0.5); applied to the methods "
                          "that read the option")
@@ -312,9 +312,10 @@ def _sweep(args) -> int:
                                          "method_args", "stack") if k in spec}
         options = {**spec, **{k: tuple(v) if k == "plugins" else v for k, v in vars(args).items()
                               if k in RunConfig.__dataclass_fields__ and v is not None}}
-        datasets = _split(args.datasets, "--datasets") if args.datasets is not None else axes.get("datasets", ["digits"])
-        methods = _split(args.methods, "--methods") if args.methods is not None else axes.get("methods", ["pfedkdh"])
-        alphas = _split(args.alphas, "--alphas") if args.alphas is not None else axes.get("alphas", [0.1])
+        given = lambda flag, value, default: _split(value, flag) if value is not None else default  # noqa: E731
+        datasets = given("--datasets", args.datasets, axes.get("datasets", ["digits"]))
+        methods = given("--methods", args.methods, axes.get("methods", ["pfedkdh"]))
+        alphas = given("--alphas", args.alphas, axes.get("alphas", [0.1]))
         try:
             alphas = [float(a) for a in alphas]
         except ValueError:
