@@ -8,6 +8,7 @@ allowed, before any data is loaded or anything is compiled.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -205,6 +206,23 @@ def _load_plugins(names) -> None:
         raise ConfigError(str(e)) from None
 
 
+# the datasets' other common spellings (difflib would take "fmnist" for "mnist")
+_DATASET_ALIASES = {"fmnist": "fashion_mnist", "fashionmnist": "fashion_mnist", "fashion-mnist": "fashion_mnist",
+                    "cifar-10": "cifar10", "cifar-100": "cifar100"}
+
+
+def _nearest(value, names) -> str:
+    """``; did you mean 'x'?`` for the name closest to a mistyped ``value`` (case ignored), else ``""``."""
+    if not isinstance(value, str):
+        return ""
+    alias = _DATASET_ALIASES.get(value.lower())
+    if alias in names:
+        return f"; did you mean {alias!r}?"
+    lower = {n.lower(): n for n in names}
+    near = difflib.get_close_matches(value.lower(), list(lower), n=1, cutoff=0.75)
+    return f"; did you mean {lower[near[0]]!r}?" if near else ""
+
+
 def _check(ok: bool, msg: str) -> None:
     if not ok:
         raise ConfigError(msg)
@@ -246,6 +264,7 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"--{f.name.replace('_', '-')} must be a finite number; got {value}")
     _load_plugins(cfg.plugins)
     _check(cfg.method in METHODS, f"--method must be one of {', '.join(METHODS)}; got {cfg.method!r}"
+           + _nearest(cfg.method, METHODS)
            + ("" if cfg.plugins else " (a method of one's own: register_method in a module given by --plugin)"))
     try:
         parse_method_args(cfg.method, cfg.method_args, cfg)
@@ -253,6 +272,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(str(e)) from None
     names = dataset_names()
     _check(cfg.dataset in names, f"--dataset must be one of {', '.join(names)}; got {cfg.dataset!r}"
+           + _nearest(cfg.dataset, names)
            + ("" if cfg.plugins else " (a dataset of one's own: register_dataset in a module given by --plugin)"))
     _check(cfg.alpha > 0, f"--alpha must be > 0; got {cfg.alpha}")
     _check(cfg.num_clients >= 2, f"--clients must be >= 2; got {cfg.num_clients}")
