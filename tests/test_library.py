@@ -274,8 +274,8 @@ def test_a_method_of_ones_own_runs_from_the_command_line_and_resumes(registry, t
     cfg = validate(load_run_config(str(out)))
     assert cfg.method_args == (("momentum", "0.5"),) and "fedperm" in registry
     del registry["fedperm"], sys.modules["pfedkdh_plugin_own_method"]
-    with pytest.raises(ConfigError, match=r"got 'fedperm' \(a method of one's own: register_method in a module "
-                                          r"given by --plugin\)"):
+    with pytest.raises(ConfigError, match=r"got 'fedperm'; did you mean 'fedper'\? \(a method of one's own: "
+                                          r"register_method in a module given by --plugin\)"):
         p.make_config(method="fedperm")
     # a run whose config.json names no plugin (started from Python) resumes with --plugin
     stored = json.loads((out / "config.json").read_text())
