@@ -200,6 +200,20 @@ def test_spread_over_partitions(results):
     assert "F-MNIST α = 0.05 +1.00, -0.50, +1.00 (the paper's +0.21)" in text
 
 
+def test_in_brief_opens_the_page_with_the_readings_below(results):
+    res = rp.load(results)
+    res["cells"] = {k: v for k, v in res["cells"].items() if not (v.get("earlier") and k[1] == "mnist/0.1")}
+    brief = rp.in_brief(res)
+    # 6 rows on MNIST α = 0.1 (FedPer, FedAvg, pFedKDH Fair/EA at both λ); CIFAR-10: the FedPer point and the
+    # earlier runs' FedAvg, FedBABU and four pFedKDH rows
+    assert brief.startswith("**In brief.** Table 2: 6 of 90 cells filled, one seed and one partition each; "
+                            "CIFAR-10 α = 0.05: 7 of 15. The paper's first row is first here on 0 of 1 columns. ")
+    # 99.00 − 99.04; the paper's 99.12 − 98.61
+    assert "distillation off (λ = 0, the default) − FedPer: -0.04 to -0.04 points (the paper's pFedKDH − FedPer: " \
+           "+0.51 to +0.51)" in brief
+    assert rp.distillation_reading(res) in brief and "NVIDIA H200, 0.313 s a round" in brief
+
+
 def test_final_round_swings(results):
     res = rp.load(results)
     res["curves"] = {("fedbabu", "mnist/0.05"): {25: 98.0, 30: 99.0, 40: 99.4, 45: 99.2, 50: 94.3},
