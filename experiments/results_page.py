@@ -403,7 +403,9 @@ def section_table2(res: dict) -> list[str]:
     notes = " ".join(res[s]["meta"]["note"] for s in ("table2", "cifar10") if res[s]["meta"].get("note"))
     return ["## Table 2 (MNIST, Fashion-MNIST) and Table 3's CIFAR-10 column, as reproduced",
             "Final round (50), %: ours, one seed (seed 0, data seed 0), then (the paper's mean ± std, gap = (ours − "
-            "paper) / paper std); personalized macro accuracy, the global model's in the rows marked so. Study "
+            "paper) / paper std: one run of ours against the spread of the paper's repetitions, a scale and not a "
+            "significance test — a one-point gap reads as 20σ where the paper's std is 0.05); personalized macro "
+            "accuracy, the global model's in the rows marked so. Study "
             f"{_study(res['table2'])} and {_study(res['cifar10'])}; `*` = a run from before the study ("
             + "; ".join(f"{col_name(e['column'])}: experiments/results/{e['file']}, {e['_source']['dates']}"
                         for e in res["earlier"])
