@@ -167,13 +167,31 @@ def test_another_grid_in_a_sweep_directory_names_what_differs(tmp_path, capsys):
     out.mkdir()
     stored = make_sweep(["digits"], [0.5], ["fedper"], options=SMALL)
     (out / "sweep.json").write_text(json.dumps(stored.to_json()))
-    for sweep, differs in [(make_sweep(["digits"], [0.5], ["fedper", "fedavg"], options=SMALL),
-                            "its methods fedper, this one's fedper,fedavg"),
+    for sweep, differs in [(make_sweep(["digits"], [0.5], ["fedavg"], options=SMALL),
+                            "its methods fedper, this one's fedavg"),
                            (make_sweep(["digits"], [0.5], ["fedper"], options={**SMALL, "rounds": 3}),
                             "its rounds 2, this one's 3")]:
-        with pytest.raises(ConfigError, match=f"holds another sweep \\({differs}\\); a sweep directory holds one grid"):
+        with pytest.raises(ConfigError, match=f"holds another sweep \\({differs}\\); a sweep directory holds one grid, "
+                                              "which may only grow by datasets, α or methods"):
             run_sweep(sweep, str(out))
     assert sorted(p.name for p in out.iterdir()) == ["sweep.json"]
     # a sweep directory is not a run directory: resume and report say where its runs are
     assert cli_main(["resume", str(out)]) == 2
     assert "it holds a sweep; its runs are its points/*" in capsys.readouterr().err
+
+
+def test_a_sweep_grows_by_a_method_and_keeps_its_finished_points(tmp_path):
+    out, log = str(tmp_path / "sweep"), []
+    one = {**SMALL, "rounds": 1}
+    run_sweep(make_sweep(["digits"], [0.5], ["fedper"], options=one), out, log=log.append)
+    first = json.load(open(os.path.join(out, "points", "digits-a0.5-fedper", "summary.json")))
+    log.clear()
+    run_sweep(make_sweep(["digits"], [0.5], ["fedper", "fedavg"], options=one), out, log=log.append)
+    assert "the sweep grows: + methods fedavg; its finished points are kept" in log
+    assert any("digits-a0.5-fedper: done already" in line for line in log)
+    assert json.load(open(os.path.join(out, "points", "digits-a0.5-fedper", "summary.json"))) == first
+    assert {r["method"] for r in csv_rows(out)} == {"fedper", "fedavg"}
+    assert json.load(open(os.path.join(out, "sweep.json")))["methods"] == ["fedper", "fedavg"]
+    with pytest.raises(ConfigError, match="holds another sweep"):   # shrinking is no growth
+        run_sweep(make_sweep(["digits"], [0.5], ["fedavg"], options=one), out)
+

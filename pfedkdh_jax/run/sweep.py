@@ -167,6 +167,24 @@ def _grid_of(spec: dict) -> dict:
     return {k: v for k, v in spec.items() if k != "stack"}
 
 
+_GROWING = ("datasets", "alphas", "methods")
+
+
+def _added(old: dict, new: dict) -> str:
+    """What ``new`` (a sweep.json) adds to ``old`` when it only grows it — more datasets, α values or
+    methods, every other field (seeds, grid, preset, options, the old methods' own args) the same —
+    as text (``"+ methods fedavg"``); ``""`` otherwise."""
+    if any(old.get(k) != new.get(k) for k in set(old) | set(new) if k not in _GROWING + ("method_args",)):
+        return ""
+    if any(not set(old.get(k, ())) <= set(new.get(k, ())) for k in _GROWING):
+        return ""
+    old_args, new_args = (dict(map(tuple, spec.get("method_args") or [])) for spec in (old, new))
+    if any(new_args.get(m) != old_args.get(m) for m in old.get("methods", ())):
+        return ""
+    return ", ".join(f"+ {k} {','.join(map(str, [v for v in new[k] if v not in old[k]]))}" for k in _GROWING
+                     if set(new[k]) - set(old[k]))
+
+
 def _spec_value(value) -> str:
     """A sweep.json field as one short line."""
     if isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value):
@@ -200,30 +218,38 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
     os.makedirs(out, exist_ok=True)
     spec_path = os.path.join(out, "sweep.json")
 
-    def check_spec():
+    def write_spec():   # whole, by a rename
+        with open(spec_path + ".tmp", "w") as f:
+            json.dump(sweep.to_json(), f, indent=2)
+        os.replace(spec_path + ".tmp", spec_path)
+
+    def check_spec() -> bool:
+        """Whether the stored grid is this one (True) or one this grows (False: more datasets, α or
+        methods, everything else the same); another grid is a ConfigError naming what differs."""
         with open(spec_path) as f:
             stored = json.load(f)
         # the same grid (whether its points stack is how, not what: it may change between calls)
         old, new = _grid_of(stored), _grid_of(sweep.to_json())
-        if old != new:
-            key = next(k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
-            was, now = old.get(key), new.get(key)
-            if key == "options":   # name the run option that differs
-                was, now = dict(map(tuple, was or [])), dict(map(tuple, now or []))
-                key = next(k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k))
-                was, now = was.get(key, "unset"), now.get(key, "unset")
-            raise ConfigError(f"{out} holds another sweep (its {key} {_spec_value(was)}, this one's "
-                              f"{_spec_value(now)}); a sweep directory holds one grid: choose another "
-                              "--out (its points stay usable by `pfedkdh report`)")
+        if old == new:
+            return True
+        added = _added(old, new)
+        if added:
+            log(f"the sweep grows: {added}; its finished points are kept")
+            return False
+        key = next(k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
+        was, now = old.get(key), new.get(key)
+        if key == "options":   # name the run option that differs
+            was, now = dict(map(tuple, was or [])), dict(map(tuple, now or []))
+            key = next(k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k))
+            was, now = was.get(key, "unset"), now.get(key, "unset")
+        raise ConfigError(f"{out} holds another sweep (its {key} {_spec_value(was)}, this one's "
+                          f"{_spec_value(now)}); a sweep directory holds one grid, which may only grow by "
+                          "datasets, α or methods: choose another --out (its points stay usable by `pfedkdh "
+                          "report`)")
     # process 0 checks or writes the spec (whole, by a rename); the others read it after the barrier,
     # never while it is being written
-    if index == 0:
-        if os.path.exists(spec_path):
-            check_spec()
-        else:
-            with open(spec_path + ".tmp", "w") as f:
-                json.dump(sweep.to_json(), f, indent=2)
-            os.replace(spec_path + ".tmp", spec_path)
+    if index == 0 and not (os.path.exists(spec_path) and check_spec()):
+        write_spec()   # a new sweep, or one grown by datasets, α or methods
     _barrier("pfedkdh-sweep-start", count)
     if index != 0:
         check_spec()
