@@ -244,8 +244,7 @@ def check_available(name: str, data_dir: str | None = None) -> None:
         return
     if name not in DATASETS:
         raise DataError(f"unknown dataset {name!r}; allowed values: {', '.join(dataset_names())}")
-    root = resolve_data_dir(data_dir) or _default_tfds_dir()
-    _check_prepared(name, _registered_version(name, root), root)
+    _prepared(name, data_dir)
 
 
 def synthetic_images(num_samples: int, shape: tuple[int, ...] = (28, 28, 1), num_classes: int = 10,
@@ -465,11 +464,17 @@ def _decode_split(source: Any, count: int) -> tuple:
     return images, labels
 
 
-def _load_tfds_pool(name: str, data_dir: str | None, cache_dir: str | None) -> Pool:
-    """Loads a prepared tfds dataset through ``tfds.data_source``, using the decoded-array cache."""
+def _prepared(name: str, data_dir: str | None) -> tuple[str, str, dict]:
+    """``(root, version, counts per split)`` of tfds dataset ``name`` prepared under the data directory
+    (:func:`_check_prepared`'s DataError otherwise)."""
     root = resolve_data_dir(data_dir) or _default_tfds_dir()
     version = _registered_version(name, root)
-    counts = _check_prepared(name, version, root)
+    return root, version, _check_prepared(name, version, root)
+
+
+def _load_tfds_pool(name: str, data_dir: str | None, cache_dir: str | None) -> Pool:
+    """Loads a prepared tfds dataset through ``tfds.data_source``, using the decoded-array cache."""
+    root, version, counts = _prepared(name, data_dir)
     total = sum(counts.values())
     path = _cache_path(name, version, root, cache_dir)
 

@@ -546,18 +546,29 @@ def _check_unused(out_dir: str) -> None:
     to keep, may start again there."""
     if os.path.exists(os.path.join(out_dir, "sweep.json")):
         raise ConfigError(f"--out {out_dir} holds a sweep (sweep.json): give the run a directory of its own")
-    try:
-        with open(os.path.join(out_dir, "summary.json")) as f:
-            held = json.load(f)
-    except (OSError, ValueError):
-        ckpt = os.path.join(out_dir, "checkpoints")
-        if os.path.isdir(ckpt) and os.listdir(ckpt):
+    held = stored_summary(out_dir)
+    if held is None:
+        if has_checkpoints(out_dir):
             raise ConfigError(f"{out_dir} already holds checkpoints of a run; continue it with "
-                              f"`pfedkdh resume {out_dir}` or choose another --out") from None
+                              f"`pfedkdh resume {out_dir}` or choose another --out")
         return
     what = f"a {held.get('status', 'finished')} {held.get('method', '')} run".replace("  ", " ")
     raise ConfigError(f"--out {out_dir} already holds {what} ({held.get('rounds_completed', '?')} rounds): choose "
                       f"another --out, remove it to start over, or continue it with `pfedkdh resume {out_dir}`")
+
+
+def stored_summary(run_dir: str) -> dict | None:
+    """The summary.json a run wrote in ``run_dir``; ``None`` where there is none (or none whole)."""
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def has_checkpoints(run_dir: str) -> bool:
+    ckpt = os.path.join(run_dir, "checkpoints")
+    return os.path.isdir(ckpt) and bool(os.listdir(ckpt))
 
 
 def _make_dir(path: str) -> None:
@@ -634,11 +645,7 @@ def resume(run_dir: str, *, progress: bool = True, log=print, **overrides) -> di
     """Continue the run in ``run_dir`` with the config stored there (and ``overrides``). A run already
     complete is left as it is: its summary is returned."""
     cfg = validate(load_run_config(run_dir, **overrides))   # its method and dataset found (plugins), its options
-    try:
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            done = json.load(f)
-    except (OSError, ValueError):
-        done = None
+    done = stored_summary(run_dir)
     if done and done.get("status") == "completed" and done.get("rounds_completed") == cfg.rounds:
         log(f"{run_dir}: already complete ({cfg.rounds} rounds); nothing to resume")
         return {**done, "out": run_dir}

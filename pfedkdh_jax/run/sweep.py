@@ -149,16 +149,10 @@ def points(sweep: Sweep, out: str = "sweep") -> list[tuple[str, RunConfig]]:
 
 def _status(run_dir: str) -> str:
     """completed | checkpointed | started | new"""
-    summary = os.path.join(run_dir, "summary.json")
-    if os.path.exists(summary):
-        try:
-            with open(summary) as f:
-                if json.load(f).get("status") == "completed":
-                    return "completed"
-        except ValueError:
-            pass
-    ckpt = os.path.join(run_dir, "checkpoints")
-    if os.path.isdir(ckpt) and os.listdir(ckpt):
+    from pfedkdh_jax.run.experiment import has_checkpoints, stored_summary   # (JAX: imported by a sweep's run)
+    if (stored_summary(run_dir) or {}).get("status") == "completed":
+        return "completed"
+    if has_checkpoints(run_dir):
         return "checkpointed"
     return "started" if os.path.exists(run_dir) else "new"
 
