@@ -39,8 +39,8 @@ def test_smoke_run_writes_the_run_directory(tmp_path, capsys, measured_conv_form
 @pytest.mark.parametrize("args, option", [
     (["--dataset", "imagenet"], "--dataset"),
     (["--method", "fedfoo"], "--method"),
-    (["--method", "FedAvg"], "got 'FedAvg'; did you mean 'fedavg'?"),
-    (["--dataset", "fmnist"], "got 'fmnist'; did you mean 'fashion_mnist'?"),
+    (["--method", "FedAvgg"], "got 'FedAvgg'; did you mean 'fedavg'?"),
+    (["--dataset", "Fashion_MNST"], "got 'Fashion_MNST'; did you mean 'fashion_mnist'?"),
     (["--alpha", "0"], "--alpha"),
     (["--clients", "1"], "--clients"),
     (["--participation", "1.5"], "--participation"),

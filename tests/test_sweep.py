@@ -112,6 +112,20 @@ def test_sweep_grid_applies_to_the_methods_that_read_it():
     assert {round(c.lam, 2) for n, c in points(sweep) if "pfedkdh" in n} == {0.0, 0.5}
 
 
+def test_names_are_read_regardless_of_case():
+    """FedAvg is fedavg and fmnist fashion_mnist, in a run's options and a sweep's lists alike; two
+    spellings of one method are one method listed twice."""
+    from pfedkdh_jax.run.config import make_config
+    cfg = make_config("smoke", method="FedAvg", dataset="fmnist")
+    assert (cfg.method, cfg.dataset) == ("fedavg", "fashion_mnist")
+    sweep = make_sweep(["Digits"], [0.5], ["FedPer", "FEDREP"], method_args={"FedRep": [("head_epochs", "2")]},
+                       options=SMALL)
+    assert (sweep.datasets, sweep.methods) == (("digits",), ("fedper", "fedrep"))
+    assert dict(sweep.method_args) == {"fedrep": (("head_epochs", "2"),)}
+    with pytest.raises(ConfigError, match="lists a value twice: fedper, fedper"):
+        make_sweep(["digits"], [0.5], ["FedPer", "fedper"], options=SMALL)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "fedper,nope"], "--method must be one of"),
     (["--alphas", "0.5,x"], "--alphas must be comma-separated numbers"),

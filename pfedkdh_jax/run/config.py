@@ -174,6 +174,10 @@ def make_config(preset_name: str = "default", **overrides) -> RunConfig:
         overrides["method_args"] = tuple((k, str(v)) for k, v in overrides["method_args"].items())
     if overrides.get("plugins") is not None:   # first: a plugin may register the dataset and its preset
         overrides["plugins"] = plugins(overrides["plugins"])
+    if "method" in overrides:   # names as the registries spell them, case aside
+        overrides["method"] = canonical_name(overrides["method"], METHODS)
+    if "dataset" in overrides:
+        overrides["dataset"] = canonical_name(overrides["dataset"], dataset_names())
     dataset = overrides.get("dataset", RunConfig.dataset)
     values = preset(preset_name, dataset)
     values.update({k: v for k, v in overrides.items() if v is not None})
@@ -209,6 +213,19 @@ def _load_plugins(names) -> None:
 # the datasets' other common spellings (difflib would take "fmnist" for "mnist")
 _DATASET_ALIASES = {"fmnist": "fashion_mnist", "fashionmnist": "fashion_mnist", "fashion-mnist": "fashion_mnist",
                     "cifar-10": "cifar10", "cifar-100": "cifar100"}
+
+
+def canonical_name(value, names):
+    """``value`` as one of ``names`` when it names one regardless of case or by a dataset's common
+    alias (``FedAvg`` → ``fedavg``, ``fmnist`` → ``fashion_mnist``); ``value`` unchanged otherwise (an
+    exact match, an ambiguous one, or no match: :func:`validate` then names the nearest)."""
+    if not isinstance(value, str) or value in names:
+        return value
+    alias = _DATASET_ALIASES.get(value.lower())
+    if alias in names:
+        return alias
+    same = [n for n in names if n.lower() == value.lower()]
+    return same[0] if len(same) == 1 else value
 
 
 def _nearest(value, names) -> str:

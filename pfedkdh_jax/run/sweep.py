@@ -52,8 +52,8 @@ import shutil
 from typing import Any, Callable
 
 from pfedkdh_jax.algorithms import METHODS
-from pfedkdh_jax.data.sources import check_available
-from pfedkdh_jax.run.config import ConfigError, RunConfig, make_config, plugins
+from pfedkdh_jax.data.sources import check_available, dataset_names
+from pfedkdh_jax.run.config import ConfigError, RunConfig, canonical_name, make_config, plugins
 
 # RunConfig fields that only some methods read (a --grid over one of them applies to those methods)
 _METHOD_FIELDS = {o for spec in METHODS.values() for o in spec.run_options}
@@ -89,6 +89,9 @@ def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", 
     options = dict(options or {})
     if "plugins" in options:   # methods of one's own registered before the points are built
         options["plugins"] = plugins(options["plugins"])
+    methods = [canonical_name(m, METHODS) for m in methods]   # FedAvg as fedavg, fmnist as fashion_mnist
+    datasets = [canonical_name(d, dataset_names()) for d in datasets]
+    method_args = {canonical_name(m, METHODS): pairs for m, pairs in (method_args or {}).items()}
     for key in options:
         if key in _AXES:
             raise ConfigError(f"{key!r} is an axis of the sweep (--{key}s / --seeds), not a run option")
@@ -109,7 +112,7 @@ def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", 
     sweep = Sweep(listed("datasets", datasets), tuple(float(a) for a in listed("alphas", alphas)),
                   listed("methods", methods), seeds, tuple((k, tuple(v)) for k, v in grid.items()), preset,
                   tuple(sorted(options.items())),
-                  tuple((m, tuple(tuple(p) for p in pairs)) for m, pairs in (method_args or {}).items()),
+                  tuple((m, tuple(tuple(p) for p in pairs)) for m, pairs in method_args.items()),
                   bool(stack))
     for m, _ in sweep.method_args:
         if m not in sweep.methods:
