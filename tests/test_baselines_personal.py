@@ -435,3 +435,18 @@ def test_cli_rejects_bad_method_args(capsys):
     assert parse_method_args("fedala", [("rand_percent", "50")])["rand_percent"] == 50
     with pytest.raises(ValueError, match="rand_percent"):
         parse_method_args("fedala", [("rand_percent", "0")])
+
+
+def test_ditto_personal_models_take_the_optimizer_unless_given_their_own(tiny):
+    """``personal_optimizer=None`` is ``optimizer`` (the personal models are what Ditto scores): a
+    factory of a step-less SGD stops both copies; a personal optimizer of its own moves only v."""
+    _, _, data = tiny
+    def updates(**hp):
+        tx = make_algo("ditto", data, dropout=0.0, optimizer=lambda lr: optax.sgd(0.0), **hp).trainer.tx
+        params = {"global": {"w": jnp.ones(3)}, "personal": {"w": jnp.ones(3)}}
+        grads = jax.tree_util.tree_map(jnp.ones_like, params)
+        return tx.update(grads, tx.init(params), params)[0]
+    same = updates()
+    assert not np.any(same["global"]["w"]) and not np.any(same["personal"]["w"])
+    own = updates(personal_optimizer=optax.sgd(0.1))
+    assert not np.any(own["global"]["w"]) and np.allclose(own["personal"]["w"], -0.1)

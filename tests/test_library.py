@@ -548,3 +548,17 @@ def test_check_method_passes_a_sound_method_and_names_what_a_broken_one_breaks(r
         p.check_method(OwnBackbones(model, config), data, checks=("evaluation",))
     with pytest.raises(ValueError, match="check_method: no check 'speed'"):
         p.check_method(FloatRound(model, config), data, checks=("speed",))
+
+
+def test_a_traced_personalize_flag_is_named(digits):
+    """``personalize`` is static: traced (jit without static_argnames) or an array, it is one TypeError
+    saying so, before anything is traced (before: flax or JAX failed deep in the trace, or not at all)."""
+    algo = p.FedPer(small_model(), p.FedPerConfig(local_epochs=1))
+    key = jax.random.key(0)
+    state = algo.init(key, digits)
+    evaluate = p.make_evaluate(algo)
+    with pytest.raises(TypeError, match="personalize must be a Python bool \\(under jax.jit: "
+                                        "static_argnames='personalize'\\); got"):
+        jax.jit(evaluate)(state, digits, key, personalize=True)
+    with pytest.raises(TypeError, match="personalize must be a Python bool"):
+        evaluate(state, digits, key, personalize=jnp.array(True))

@@ -57,8 +57,8 @@ def main(argv=None) -> dict:
         key = jax.random.key(seed)
 
         def one_round(state, t):
-            k = jax.random.fold_in(key, t)
-            return round_fn(state, data, p.select_clients(k, a.clients, a.clients // 2), k)[0], None
+            k_select, k_round = jax.random.split(jax.random.fold_in(key, t))
+            return round_fn(state, data, p.select_clients(k_select, a.clients, a.clients // 2), k_round)[0], None
         state = jax.lax.scan(one_round, member.init(key, data), jnp.arange(a.rounds))[0]
         return p.make_evaluate(member, layout)(state, data, key)["personalized_macro_accuracy"]
 

@@ -48,8 +48,8 @@ def main(argv=None) -> dict:
     @jax.jit
     def train(state, key):
         def one_round(state, t):
-            k = jax.random.fold_in(key, t)
-            state, metrics = round_fn(state, data, p.select_clients(k, a.clients, a.clients // 2), k)
+            k_select, k_round = jax.random.split(jax.random.fold_in(key, t))   # one stream each
+            state, metrics = round_fn(state, data, p.select_clients(k_select, a.clients, a.clients // 2), k_round)
             return state, metrics["train_loss"]
         return jax.lax.scan(one_round, state, jax.numpy.arange(a.rounds))
 

@@ -215,7 +215,9 @@ class DittoConfig(LocalConfig):
     """Ditto: λ of the personal objective's proximal term."""
 
     lam: float = option(1.0, "λ, weight of the proximal term of the personal objective", non_negative, ">= 0")
-    personal_optimizer: Any = option(None, "the personal models' optimizer (at lr): " + OPTIMIZER_HELP, **_OPT)
+    personal_optimizer: Any = option(None, "the personal models' optimizer (at lr): an optax GradientTransformation, "
+                                     "a function lr -> GradientTransformation, or None (the same as optimizer)",
+                                     **_OPT)
     personal_rows: int = _personal_rows()
 
 
@@ -316,8 +318,10 @@ class PFedKDHConfig(LocalConfig):
     teacher_lr: float | None = option(None, "the refit's learning rate (None: lr)", optional_positive, "> 0",
                                       cli=False)
     teacher_warm_start: bool = option(True, "the refit starts from the current φ_g (False: from φ_g⁰)")
-    teacher_refit_at_start: bool = option(False, "refit φ_g once on D_s before round 0 (backbone untouched)")
-    warmup_epochs: int = option(0, "E_w: train θ_g and φ_g on D_s before round 0 (0: off, as the paper)",
+    teacher_refit_at_start: bool = option(False, "refit φ_g once on D_s before round 0 (backbone untouched; "
+                                          "in Python, by prepare(), not by a round)")
+    warmup_epochs: int = option(0, "E_w: train θ_g and φ_g on D_s before round 0 (0: off, as the paper; "
+                                "in Python, by prepare(), not by a round)",
                                 non_negative, ">= 0")
     ea_steps: int = option(20, "pFedKDH-EA: head-only SGD steps before its evaluation (0: no EA)",
                            non_negative, ">= 0")

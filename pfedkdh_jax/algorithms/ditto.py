@@ -72,7 +72,8 @@ class Ditto(Algorithm):
     @property
     def trainer(self) -> LocalTrainer:
         c = self.config
-        tx = optax.multi_transform({"global": C.client_tx(c), "personal": C.make_tx(c.personal_optimizer, c.lr)},
+        tx = optax.multi_transform({"global": C.client_tx(c), "personal": C.make_tx(
+            c.optimizer if c.personal_optimizer is None else c.personal_optimizer, c.lr)},
                                    {"global": "global", "personal": "personal"})
         return C.sgd_trainer(self.local_loss, tx, c)
 

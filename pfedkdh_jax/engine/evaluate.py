@@ -171,6 +171,9 @@ class EvaluatePieces:
 
     def __call__(self, state, data: FederatedData, key: jax.Array, personalize: bool = False) -> dict:
         """Every metric of an evaluation (see the module docstring)."""
+        if not isinstance(personalize, (bool, np.bool_)):   # a traced flag would fail deep in the trace
+            raise TypeError(f"personalize must be a Python bool (under jax.jit: static_argnames='personalize'); "
+                            f"got {type(personalize).__name__}")
         check_state_clients(self.algo, state, data, "evaluate")
         return evaluation(self, self.algo.personalization, state, data, key, personalize)
 
