@@ -38,11 +38,14 @@ _EXPORTS = {
     "LocalConfig": "algorithms.configs", "OptionError": "algorithms.configs", "PFedKDHState": "algorithms.pfedkdh",
     "METHODS": "algorithms", "make_method": "algorithms", "build_algorithm": ("algorithms", "build"),
     "register_method": "algorithms", "option": "algorithms.configs", "client_tx": "algorithms.common",
+    # per-client tables and metrics, for a method of one's own
+    "broadcast": "algorithms.common", "take": "algorithms.common", "put": "algorithms.common",
+    "client_models": "algorithms.common", "round_metrics": "algorithms.common", "ClientRows": "engine.client_rows",
     # engine
     "Layout": "engine.layout", "Workload": "engine.layout", "LocalTrainer": "engine.local", "LocalState": "engine.local",
     "make_round": "engine.round", "make_evaluate": "engine.evaluate", "select_clients": "engine.round",
     "RoundRunner": "engine.runner", "PhasedRunner": "engine.runner", "sample_schedule": "engine.runner",
-    "check_method": "engine.conformance", "ProtocolError": "engine.conformance",
+    "check_method": "engine.conformance", "ProtocolError": "engine.protocol",
     # runs
     "RunConfig": "run.config", "ConfigError": "run.config", "make_config": "run.config",
     "run": ("run.experiment", "run"),

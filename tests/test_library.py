@@ -263,6 +263,11 @@ def test_a_method_of_ones_own_runs_from_the_command_line_and_resumes(registry, t
     from pfedkdh_jax.run.config import ConfigError, validate
     from pfedkdh_jax.run.experiment import load_run_config
     plugin = str(pathlib.Path(__file__).resolve().parents[1] / "experiments" / "examples" / "own_method.py")
+
+    def forget():   # as a new process would: fedperm unregistered, its plugin not imported
+        del registry["fedperm"]
+        for name in [k for k in sys.modules if k.startswith("pfedkdh_plugin_own_method")]:
+            del sys.modules[name]
     out = tmp_path / "run"
     assert cli.main(["run", "--plugin", plugin, "--method", "fedperm", "--dataset", "digits", "--preset", "smoke",
                      "--rounds", "1", "--clients", "4", "--method-arg", "momentum=0.5", "--out", str(out),
@@ -270,10 +275,10 @@ def test_a_method_of_ones_own_runs_from_the_command_line_and_resumes(registry, t
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == "fedperm" and 0 <= summary["personalized_macro_accuracy"] <= 1
     # a new process knows nothing of fedperm: the run's config.json names its plugin, which resume imports
-    del registry["fedperm"], sys.modules["pfedkdh_plugin_own_method"]
+    forget()
     cfg = validate(load_run_config(str(out)))
     assert cfg.method_args == (("momentum", "0.5"),) and "fedperm" in registry
-    del registry["fedperm"], sys.modules["pfedkdh_plugin_own_method"]
+    forget()
     with pytest.raises(ConfigError, match=r"got 'fedperm'; did you mean 'fedper'\? \(a method of one's own: "
                                           r"register_method in a module given by --plugin\)"):
         p.make_config(method="fedperm")
@@ -289,7 +294,7 @@ def test_a_method_of_ones_own_runs_from_the_command_line_and_resumes(registry, t
     part = type("P", (), {"aux_idx": [0], "train_idx": [[1]], "test_idx": [[2]]})
     fresh = p.RunConfig().to_dict()
     assert fingerprint(fresh, part) == fingerprint({k: v for k, v in fresh.items() if k != "plugins"}, part)
-    del registry["fedperm"], sys.modules["pfedkdh_plugin_own_method"]
+    forget()
     assert cli.main(["run", "--plugin", plugin, "--method", "fedperm", "--method-arg", "momentum=1.5"]) == 2
     assert "--method-arg momentum must be in [0, 1) for fedperm; got 1.5" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"--plugin no_such_module: cannot import it"):
@@ -343,7 +348,7 @@ def test_register_method_names_what_it_cannot_take(registry):
         scale: float = p.option(1, "a scale (an int default)")
 
     @dataclasses.dataclass(frozen=True)
-    class Mine(p.Algorithm):
+    class Mine(p.FedPer):   # FedPer's pieces, a config of its own
         model: object
         config: MineConfig = MineConfig()
 
@@ -535,8 +540,19 @@ def test_check_method_passes_a_sound_method_and_names_what_a_broken_one_breaks(r
         def server_update_from_mean(self, *args):
             state, metrics = super().server_update_from_mean(*args)
             return state.replace(round=state.round.astype(jnp.float32)), metrics
-    with pytest.raises(p.ProtocolError, match=r"check_method\(FloatRound\): a round compiled again"):
+    with pytest.raises(p.ProtocolError, match=r"check_method\(FloatRound\): a round compiled again .* "
+                                              r"\(.round: int32\[\] → float32\[\]\)"):
         p.check_method(FloatRound(model, config), data, checks=("retrace",))
+
+    @dataclasses.dataclass(frozen=True)
+    class HostRead(mod.FedPerM):   # a value read on the host inside the round
+        def server_update_from_mean(self, state, data, selected, mean, rest, key):
+            if float(jnp.mean(rest.loss)) > 100:
+                raise RuntimeError("diverged")
+            return super().server_update_from_mean(state, data, selected, mean, rest, key)
+    with pytest.raises(p.ProtocolError, match=r"check_method\(HostRead\): a piece of the round reads a traced value "
+                                              r"on the host"):
+        p.check_method(HostRead(model, config), data, checks=("retrace",))
     @dataclasses.dataclass(frozen=True)
     class OwnBackbones(mod.FedPerM):  # per-client backbones scored without per_client=True
         def eval_models(self, state):
@@ -562,3 +578,85 @@ def test_a_traced_personalize_flag_is_named(digits):
         jax.jit(evaluate)(state, digits, key, personalize=True)
     with pytest.raises(TypeError, match="personalize must be a Python bool"):
         evaluate(state, digits, key, personalize=jnp.array(True))
+
+
+def test_plugins_of_one_file_name_in_two_folders_are_two_modules(registry, tmp_path):
+    """Each file is its own module, imported once however often it is named (before, the second
+    replaced the first under one module name and every later load imported them again)."""
+    import sys
+
+    from pfedkdh_jax.algorithms import load_plugins
+    files = []
+    for folder, value in (("a", 1), ("b", 2)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "method.py").write_text(f"VALUE = {value}\n")
+        files.append(str(tmp_path / folder / "method.py"))
+    load_plugins(files)
+    loaded = {m.__file__: m for m in list(sys.modules.values()) if getattr(m, "__file__", None) in files}
+    assert sorted(m.VALUE for m in loaded.values()) == [1, 2]
+    load_plugins(files + files[:1])
+    assert all(sys.modules[m.__name__] is m for m in loaded.values())
+
+
+def test_what_a_methods_round_changes_or_leaves_out_is_named(digits, registry, capsys):
+    """A server step that changes the state's dtype (every round would compile again) or returns no
+    train_loss stops the host runner after its first round, naming the leaf; heads without a client
+    axis, and pieces without a default left out, are named before anything runs; the command line
+    prints each as one line."""
+    import flax.struct as struct
+
+    from pfedkdh_jax.engine.protocol import state_change
+    from pfedkdh_jax.run import cli
+
+    class FloatRound(p.FedPer):
+        def server_update_from_mean(self, state, data, selected, mean, rest, key):
+            new, metrics = super().server_update_from_mean(state, data, selected, mean, rest, key)
+            return new.replace(round=new.round.astype(jnp.float32)), metrics
+
+    class NoLoss(p.FedPer):
+        def server_update_from_mean(self, state, data, selected, mean, rest, key):
+            new, metrics = super().server_update_from_mean(state, data, selected, mean, rest, key)
+            return new, {"clients": selected}
+
+    class SharedHead(p.FedPer):
+        def eval_models(self, state):
+            return super().eval_models(state).replace(heads=p.take(state.heads, 0))
+
+    config, key = p.FedPerConfig(local_epochs=1, batch_size=32), jax.random.key(0)
+    layout = p.Layout("sequential", "unrolled", chunk_steps=2)
+    for cls, message in [(FloatRound, r"RoundRunner.round: FloatRound's round returns a state unlike the one it was "
+                                      r"given \(.round: int32\[\] → float32\[\]\); every round would compile again"),
+                         (NoLoss, "RoundRunner.round: NoLoss's server step returns metrics without train_loss")]:
+        algo = cls(small_model(), config)
+        with pytest.raises(p.ProtocolError, match=message):
+            p.RoundRunner(algo, digits, layout).round(algo.init(key, digits), digits, [0, 1], key)
+    shared = SharedHead(small_model(), config)
+    with pytest.raises(ValueError, match=r"evaluate: SharedHead.eval_models gives heads without a client axis \(the "
+                                         r"model's own head shapes\): .*pfedkdh_jax.broadcast\(head, K\)"):
+        p.make_evaluate(shared)(shared.init(key, digits), digits, key)
+
+    class Bare(p.Algorithm):
+        def init(self, key, data):
+            return {}
+    for call, where in [(lambda: p.register_method("bare", Bare, p.LocalConfig, factory=lambda *_: Bare()), "register_method\\('bare'\\)"),
+                        (lambda: p.make_round(Bare()), "make_round\\(algo\\)")]:
+        with pytest.raises(p.ProtocolError, match=where + r": Bare must define trainer \(a LocalTrainer property\); "
+                                                          r"client_start\(state, data, k, key\) -> LocalState; "):
+            call()
+    assert "bare" not in registry
+
+    @struct.dataclass
+    class S:
+        table: jax.Array
+        seen: int = struct.field(pytree_node=False)
+    s = S(jnp.zeros((4, 3)), 0)
+    assert state_change(s, S(jnp.ones((4, 3)), 0)) is None                        # values may change
+    assert state_change(s, S(jnp.zeros((2, 3)), 0)) == ".table: float32[4, 3] → float32[2, 3]"
+    assert state_change(s, S(jnp.zeros((4, 3)), 1)) == ".seen (a static field): 0 → 1"
+    assert state_change({"a": s}, {"b": s}) == "leaves differ: ['a'].table is gone; ['b'].table is new"
+
+    def broken():
+        raise p.ProtocolError("RoundRunner.round: X's server step returns metrics without train_loss")
+    assert cli._guarded(broken) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "pfedkdh: error: RoundRunner.round: X's server step returns metrics without train_loss"

@@ -4,6 +4,7 @@ an interrupted sweep that resumes to the same tables."""
 import csv
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -112,6 +113,25 @@ def test_sweep_grid_applies_to_the_methods_that_read_it():
     assert {round(c.lam, 2) for n, c in points(sweep) if "pfedkdh" in n} == {0.0, 0.5}
 
 
+def test_a_grid_over_a_methods_own_option():
+    """``--grid fedprox:mu=...`` varies FedProx's own option on FedProx's points only (its values as
+    --method-arg text), names the points and rows by it, and refuses what it cannot mean."""
+    from pfedkdh_jax.run.sweep import _label
+    sweep = make_sweep(["digits"], [0.5], ["fedper", "fedprox"], grid={"FedProx:mu": ["0.01", "0.1"]},
+                       options=SMALL)
+    pts = dict(points(sweep))
+    assert sorted(pts) == ["digits-a0.5-fedper", "digits-a0.5-fedprox-mu0.01", "digits-a0.5-fedprox-mu0.1"]
+    assert pts["digits-a0.5-fedprox-mu0.1"].method_args == (("mu", "0.1"),)
+    assert pts["digits-a0.5-fedper"].method_args == ()
+    assert [_label(c, sweep) for _, c in points(sweep)] == ["fedper", "fedprox mu=0.01", "fedprox mu=0.1"]
+    for grid, margs, message in [({"fedrep:head_epochs": ["1"]}, None, "fedrep is not one of the sweep's --methods"),
+                                 ({"fedprox:lam": ["1"]}, None, "fedprox has no option 'lam' of its own (its own: mu)"),
+                                 ({"fedprox:mu": ["0.1"]}, {"fedprox": [("mu", "1")]}, "give one of them"),
+                                 ({"fedprox:mu": ["-1"]}, None, "--method-arg mu must be >= 0 for fedprox")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            make_sweep(["digits"], [0.5], ["fedper", "fedprox"], grid=grid, method_args=margs, options=SMALL)
+
+
 def test_names_are_read_regardless_of_case():
     """FedAvg is fedavg and fmnist fashion_mnist, in a run's options and a sweep's lists alike; two
     spellings of one method are one method listed twice."""
@@ -139,7 +159,9 @@ def test_names_are_read_regardless_of_case():
     (["--grid", "lr=0.1,"], "--grid lr: an empty value"),
     (["--methods", "fedavg", "--grid", "lam=0,0.5"], "--grid lam: none of the sweep's methods reads it (an option "
                                                       "of pfedkdh)"),
-    (["--methods", "fedprox", "--grid", "mu=0,1"], "(fedprox's own mu: --method-arg fedprox:mu=V, one value a sweep)"),
+    (["--methods", "fedprox", "--grid", "mu=0,1"], "(fedprox's own mu: --grid fedprox:mu=V1,V2)"),
+    (["--methods", "pfedkdh", "--grid", "pfedkdh:lam=0,1"], "pfedkdh has no option 'lam' of its own (its options are "
+                                                              "run options: --grid lam=V1,V2)"),
 ])
 def test_sweep_bad_options_are_one_line_errors(argv, message, capsys):
     assert cli_main(["sweep", "--datasets", "digits", *argv]) == 2

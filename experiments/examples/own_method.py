@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import flax.struct as struct
@@ -55,6 +55,10 @@ class FedPerMConfig(p.LocalConfig):
 
     server_lr: float = p.option(1.0, "the server's step on the clients' mean change", lambda v: v > 0, "> 0")
     momentum: float = p.option(0.9, "the server's momentum (0: none)", lambda v: 0 <= v < 1, "in [0, 1)")
+
+    # fields with_hparams may replace by traced scalars (a vmapped grid over server_lr; runs and sweeps
+    # stack lr only: server_lr, a --method-arg, is one value a run)
+    TRACEABLE: ClassVar[tuple[str, ...]] = ("lr", "server_lr")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ calls it; experiments/examples/own_method.py).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -80,8 +81,10 @@ class MethodSpec:
 
     @property
     def traced(self) -> tuple[str, ...]:
-        """RunConfig fields that stacked runs may differ in (the config's ``TRACEABLE``)."""
-        return tuple(self.config.TRACEABLE)
+        """RunConfig fields that stacked runs may differ in: the config's ``TRACEABLE`` less the method's
+        own ``--method-arg`` options (one value a run or sweep; traced in Python with ``with_hparams``)."""
+        own = self.args
+        return tuple(f for f in self.config.TRACEABLE if f not in own)
 
     @property
     def smoke(self) -> dict[str, Any]:
@@ -218,7 +221,7 @@ def register_method(name: str, algorithm: type, config: type, *, summary: str = 
         raise ValueError(f"register_method: the name must be a lower-case identifier (a --method value); got {name!r}")
     if name in BUILT_IN:
         raise ValueError(f"register_method: {name!r} is one of the package's methods; choose another name")
-    from pfedkdh_jax.engine.protocol import Algorithm   # (a method's module imports JAX anyway)
+    from pfedkdh_jax.engine.protocol import Algorithm, check_pieces   # (a method's module imports JAX anyway)
     if not (isinstance(algorithm, type) and issubclass(algorithm, Algorithm)):
         raise TypeError(f"register_method({name!r}): algorithm must be a class deriving from pfedkdh_jax.Algorithm; "
                         f"got {algorithm!r}")
@@ -238,6 +241,7 @@ def register_method(name: str, algorithm: type, config: type, *, summary: str = 
     if factory is not None and not callable(factory):
         raise TypeError(f"register_method({name!r}): factory must be a function (run_config, num_classes, "
                         f"method_args) -> algorithm")
+    check_pieces(algorithm, f"register_method({name!r})")
     spec = MethodSpec(algorithm.__module__, config, summary or f"{algorithm.__name__} (registered)",
                       table_metric=table_metric, stackable=stackable, algorithm=algorithm, factory=factory)
     METHODS[name] = spec
@@ -250,12 +254,15 @@ def load_plugins(names) -> None:
     A ``ValueError`` names the one that cannot be imported."""
     for name in names:
         if name.endswith(".py"):
-            key = "pfedkdh_plugin_" + os.path.splitext(os.path.basename(name))[0]
-            if key in sys.modules and getattr(sys.modules[key], "__file__", None) == os.path.abspath(name):
+            path = os.path.abspath(name)
+            key = f"pfedkdh_plugin_{os.path.splitext(os.path.basename(name))[0]}"
+            if key in sys.modules and getattr(sys.modules[key], "__file__", None) != path:
+                key += "_" + hashlib.sha1(path.encode()).hexdigest()[:8]   # another folder's file of this name
+            if key in sys.modules and getattr(sys.modules[key], "__file__", None) == path:
                 continue
             if not os.path.exists(name):
                 raise ValueError(f"--plugin {name}: no such file")
-            spec = importlib.util.spec_from_file_location(key, os.path.abspath(name))
+            spec = importlib.util.spec_from_file_location(key, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[key] = module        # (dataclasses look their module up while it runs)
             try:

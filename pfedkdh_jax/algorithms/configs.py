@@ -7,9 +7,10 @@ line in Python's terms (``FedProxConfig.mu must be >= 0; got -1.0``); the comman
 ``--method-arg`` options, their types, defaults and checks from the same fields (and words the same
 failure in its own terms, ``--method-arg mu must be >= 0 for fedprox``). Class-level declarations:
 
-* ``TRACEABLE``: the fields a stacked run may replace by traced scalars
-  (:meth:`~pfedkdh_jax.engine.protocol.Algorithm.with_hparams`): plain numbers the method reads only in
-  arithmetic;
+* ``TRACEABLE``: the fields :meth:`~pfedkdh_jax.engine.protocol.Algorithm.with_hparams` may replace by
+  traced scalars: plain numbers the method reads only in arithmetic (a method of one's own may list
+  its own fields). Stacked runs and sweeps vary those of them that are run options (``lr``; pFedKDH's
+  ``lam``, ``temperature``, ``mu``); a ``--method-arg`` option is one value a run;
 * ``SMOKE``: the values ``--preset smoke`` gives the method's own phases and inner loops.
 
 The optimizer fields take an optax ``GradientTransformation``, or a function of the learning rate

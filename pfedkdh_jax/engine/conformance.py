@@ -38,16 +38,12 @@ from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine.evaluate import make_evaluate
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import tree_stack
-from pfedkdh_jax.engine.protocol import Algorithm
+from pfedkdh_jax.engine.protocol import Algorithm, ProtocolError, check_pieces, state_change
 from pfedkdh_jax.engine.round import check_state_clients, make_round, select_clients
 from pfedkdh_jax.engine.runner import PhasedRunner, _phase_key, phase_at, phase_starts   # the runner's own phases
 
 CHECKS = ("layouts", "retrace", "repetitions", "runner", "evaluation")
 LAYOUTS = (("vmap", "scan"), ("sequential", "unrolled"))
-
-
-class ProtocolError(AssertionError):
-    """A promise of the protocol a method does not keep; the message says which and where."""
 
 
 def _path(path) -> str:
@@ -77,6 +73,7 @@ class _Run:
     state: Any
     metrics: list
     traces: dict
+    change: str | None = None   # the first way a round's state differed from the one it was given
 
 
 def _round_phases(algo: Algorithm, n: int) -> list[tuple[int, bool]]:
@@ -90,7 +87,7 @@ def _pure_rounds(algo: Algorithm, data: FederatedData, layout, schedule, keys, s
     traces: dict[int, int] = {}
     steps: dict[int, Any] = {}
     state = algo.init(jax.random.key(seed), data)
-    metrics = []
+    metrics, change = [], None
     for t, (i, enters) in enumerate(_round_phases(algo, len(schedule))):
         phase = algo.phases[i]
         if i not in steps:
@@ -100,9 +97,17 @@ def _pure_rounds(algo: Algorithm, data: FederatedData, layout, schedule, keys, s
             steps[i] = jax.jit(counted)
         if enters and phase.enter is not None:
             state = jax.jit(phase.enter)(state, data, _phase_key(keys[t], i))
-        state, m = steps[i](state, data, jnp.asarray(schedule[t]), keys[t])
+        given = state
+        try:
+            state, m = steps[i](state, data, jnp.asarray(schedule[t]), keys[t])
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:
+            first = str(e).strip().splitlines()[0]
+            raise ProtocolError(f"check_method({type(phase.algorithm).__name__}): a piece of the round reads a "
+                                f"traced value on the host (float(), int(), bool(), np.asarray or an `if` on an "
+                                f"array; JAX: {first}); every piece must stay in jax.numpy") from e
+        change = change or state_change(given, state)
         metrics.append(m)
-    return _Run(state, metrics, traces)
+    return _Run(state, metrics, traces, change)
 
 
 def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clients_per_round: int = 2,
@@ -119,6 +124,7 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
     if not 1 <= clients_per_round <= k:
         raise ValueError(f"check_method: clients_per_round must be in [1, {k}]; got {clients_per_round}")
     name = type(algo).__name__
+    check_pieces(algo, f"check_method({name})")
     base = jax.random.key(seed + 1)
     schedule = [np.asarray(select_clients(jax.random.fold_in(base, t), k, clients_per_round)) for t in range(rounds)]
     keys = [jax.random.fold_in(jax.random.key(seed + 2), t) for t in range(rounds)]
@@ -140,7 +146,7 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
     if "retrace" in checks and set(ref.traces.values()) != {1}:
         raise ProtocolError(f"check_method({name}): a round compiled again (traces per phase {ref.traces}): its "
                             "state's structure, shapes or dtypes change from round to round, or a static "
-                            "field does")
+                            "field does" + (f" ({ref.change})" if ref.change else ""))
     if "evaluation" in checks:
         for key in ("personalized_macro_accuracy", "personalized_micro_accuracy"):
             if key not in scores:

@@ -57,6 +57,12 @@ its ``server_update`` is then that step on the mean of the stacked uploads (:fun
 engine's host loop may instead form the mean as the clients finish, a running sum on each device, and
 never hold the C uploads at once (:func:`splits_uploads`).
 
+The server step returns the new state and the round's metrics. The state keeps the structure,
+shapes, dtypes and static fields it was given (a compiled round is reused every round; a runner
+stops, naming the leaf, when the first round changes them). The metrics are a dict of arrays with
+at least ``train_loss`` (a scalar: the clients' mean local loss) and, to name a diverging client,
+``client_loss`` (``[C]``); ``pfedkdh_jax.round_metrics(updates)`` gives both.
+
 Leading axes: per-client pytrees in the state are ``[K, ...]``; ``updates`` and the selected clients'
 local states are stacked ``[C, ...]``. The engine adds a repetition axis ``[R, ...]`` in front of
 everything with ``jax.vmap``, so a method never sees it. Uploads and evaluation models have one type
@@ -73,6 +79,7 @@ from typing import Any, Callable, ClassVar
 import flax.struct as struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer, mean_loss
 
@@ -258,7 +265,7 @@ class Algorithm:
 
     # ---------------------------------------------------------------------------------- set-up
     def init(self, key: jax.Array, data) -> PyTree:
-        raise NotImplementedError
+        raise NotImplementedError(_missing(self, "init(key, data) -> state"))
 
     def before_training(self, state: PyTree, data, key: jax.Array, train: TrainService) -> PyTree:
         """Once, before round 0 (pFedKDH's warm-up on D_s). Default: nothing."""
@@ -268,7 +275,7 @@ class Algorithm:
     # ----------------------------------------------------------------------------- client side
     @property
     def trainer(self) -> LocalTrainer:
-        raise NotImplementedError
+        raise NotImplementedError(_missing(self, "trainer, a property giving the local problem (a LocalTrainer)"))
 
     def round_start(self, state: PyTree, data, selected: jax.Array) -> PyTree:
         """The server's preparation for the round's clients ``selected [C]``, before any of them starts:
@@ -286,7 +293,7 @@ class Algorithm:
         return None
 
     def client_start(self, state: PyTree, data, client: jax.Array, key: jax.Array) -> LocalState:
-        raise NotImplementedError
+        raise NotImplementedError(_missing(self, "client_start(state, data, k, key) -> LocalState"))
 
     def local_samples(self, n: int) -> int:
         """How many samples a client with ``n`` train samples visits per epoch (static step counts);
@@ -306,7 +313,8 @@ class Algorithm:
         that splits its uploads (:meth:`mean_upload`): :meth:`server_update_from_mean` on the
         sample-weighted mean of the averaged parts (a method that splits does not override this)."""
         if type(self).mean_upload is Algorithm.mean_upload:
-            raise NotImplementedError(f"{type(self).__name__} defines neither server_update nor mean_upload")
+            raise NotImplementedError(f"{type(self).__name__} defines neither server_update nor mean_upload "
+                                      f"(with server_update_from_mean): a method needs one of them")
         averaged, rest = jax.vmap(self.mean_upload)(updates)
         return self.server_update_from_mean(state, data, selected, sample_mean(averaged, data.train_n[selected]),
                                             rest, key)
@@ -324,11 +332,12 @@ class Algorithm:
                                 rest: ClientUpdate, key: jax.Array) -> tuple[PyTree, dict]:
         """The server step of a method that splits its uploads: ``mean`` (no client axis) is the
         sample-weighted mean of the averaged parts, ``rest`` the stacked rests ``[C, ...]``."""
-        raise NotImplementedError
+        raise NotImplementedError(_missing(self, "server_update_from_mean(state, data, selected, mean, rest, key) "
+                                                 "-> (state, metrics), as it gives mean_upload"))
 
     # ------------------------------------------------------------------------------ evaluation
     def eval_models(self, state: PyTree) -> EvalModels:
-        raise NotImplementedError
+        raise NotImplementedError(_missing(self, "eval_models(state) -> EvalModels"))
 
     def messages(self, state: PyTree, update: ClientUpdate) -> tuple[PyTree, PyTree] | None:
         """``(download, upload)``: the pytrees one selected client receives from the server and sends
@@ -365,6 +374,107 @@ class Algorithm:
     def phases(self) -> tuple[Phase, ...]:
         """The phases of a run, in order. Default: one, this algorithm for every round."""
         return (Phase(self),)
+
+
+class ProtocolError(AssertionError):
+    """A promise of the protocol a method does not keep; the message says which and where."""
+
+
+class StateError(ProtocolError, ValueError):
+    """A state, or the evaluation models of one, that does not fit the data or the model it meets (a
+    ``ValueError`` too: the data may be what is wrong)."""
+
+
+def state_change(before, after) -> str | None:
+    """How ``after`` (a round's new state) differs from ``before`` (the state it was given) in what a
+    compiled round is keyed on — structure, a leaf's shape or dtype, a static field — as text naming
+    the first difference (``".round: int32[] → float32[]"``); ``None`` when they agree. Reads shapes
+    only: device values are not waited for."""
+    lb, tb = jax.tree_util.tree_flatten_with_path(before)
+    la, ta = jax.tree_util.tree_flatten_with_path(after)
+    pb, pa = [jax.tree_util.keystr(k) for k, _ in lb], [jax.tree_util.keystr(k) for k, _ in la]
+    if pb != pa:
+        gone = [x for x in pb if x not in set(pa)]
+        new = [x for x in pa if x not in set(pb)]
+        return ("leaves differ: " + (f"{gone[0] or '(the whole state)'} is gone" if gone else "")
+                + ("; " if gone and new else "") + (f"{new[0] or '(the whole state)'} is new" if new else "")
+                if gone or new else "its leaves come in another order")
+    for path, (_, x), (_, y) in zip(pb, lb, la):
+        sx, sy = _shape_dtype(x), _shape_dtype(y)
+        if sx != sy:
+            return f"{path or '(the whole state)'}: {sx[1]}{list(sx[0])} → {sy[1]}{list(sy[0])}"
+    if tb != ta:   # same leaves: a static field (pytree metadata) or a container's type differs
+        named = _static_change(before, after, "")
+        if named:
+            return named
+        b, a = str(tb), str(ta)
+        i = next((i for i, (x, y) in enumerate(zip(b, a)) if x != y), min(len(a), len(b)))
+        return f"a static field or container differs: …{b[max(0, i - 40):i + 30]}… → …{a[max(0, i - 40):i + 30]}…"
+    return None
+
+
+def _static_change(before, after, path: str) -> str | None:
+    """The first static field of a dataclass node that differs between the two trees, by its path."""
+    if not (dataclasses.is_dataclass(before) or isinstance(before, (dict, list, tuple))):
+        return None   # a leaf
+    if type(before) is not type(after):
+        return f"{path or '(the whole state)'}: a {type(before).__name__} → a {type(after).__name__}"
+    if dataclasses.is_dataclass(before):
+        for f in dataclasses.fields(before):
+            b, a = getattr(before, f.name), getattr(after, f.name)
+            if not f.metadata.get("pytree_node", True):
+                if b != a:
+                    return f"{path}.{f.name} (a static field): {b!r} → {a!r}"
+            else:
+                found = _static_change(b, a, f"{path}.{f.name}")
+                if found:
+                    return found
+    elif isinstance(before, dict) and before.keys() == after.keys():
+        for k in before:
+            found = _static_change(before[k], after[k], f"{path}[{k!r}]")
+            if found:
+                return found
+    elif isinstance(before, (list, tuple)) and len(before) == len(after):
+        for i, (b, a) in enumerate(zip(before, after)):
+            found = _static_change(b, a, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def missing_pieces(algo) -> list[str]:
+    """The pieces without a default that ``algo`` (a method or its class) does not define: ``init``,
+    ``trainer``, ``client_start``, ``eval_models``, and ``server_update`` or ``mean_upload`` with
+    ``server_update_from_mean``. A method of several phases (its own ``phases``) is its phases'."""
+    cls = algo if isinstance(algo, type) else type(algo)
+    if cls.phases is not Algorithm.phases:
+        return []
+    def own(name):
+        return getattr(cls, name) is not getattr(Algorithm, name)
+    missing = [s for n, s in (("init", "init(key, data) -> state"), ("trainer", "trainer (a LocalTrainer property)"),
+                              ("client_start", "client_start(state, data, k, key) -> LocalState"),
+                              ("eval_models", "eval_models(state) -> EvalModels")) if not own(n)]
+    if not own("server_update") and not (own("mean_upload") and own("server_update_from_mean")):
+        missing.append("server_update(state, data, selected, updates, key) -> (state, metrics), or mean_upload "
+                       "with server_update_from_mean")
+    return missing
+
+
+def check_pieces(algo, where: str) -> None:
+    """A :class:`ProtocolError` naming ``where`` and every piece :func:`missing_pieces` finds."""
+    missing = missing_pieces(algo)
+    if missing:
+        name = (algo if isinstance(algo, type) else type(algo)).__name__
+        raise ProtocolError(f"{where}: {name} must define {'; '.join(missing)} (pieces of the protocol without "
+                            "a default, pfedkdh_jax/engine/protocol.py)")
+
+
+def _shape_dtype(x) -> tuple:
+    return tuple(np.shape(x)), jnp.result_type(x)
+
+
+def _missing(algo: Algorithm, piece: str) -> str:
+    return f"{type(algo).__name__} must define {piece} (a piece of the protocol without a default)"
 
 
 def prepares_rounds(algo: Algorithm) -> bool:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, StateError, check_pieces
 from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
@@ -176,11 +176,16 @@ def check_state_clients(algo: Algorithm, state, data: FederatedData, where: str,
     silently). Read from the shapes of the method's evaluation heads (``eval_models``, ``[K, ...]``;
     ``[R, K, ...]`` with ``rep_axis``); a method whose evaluation has no heads is not checked."""
     models = jax.eval_shape(jax.vmap(algo.eval_models) if rep_axis else algo.eval_models, state)
-    heads = jax.tree_util.tree_leaves(models.heads)
+    heads, tree = jax.tree_util.tree_flatten(models.heads)
     if heads:
+        ref, ref_tree = jax.tree_util.tree_flatten(_model_shapes(algo, data)["head"])
+        if tree == ref_tree and all(h.shape[1 if rep_axis else 0:] == r.shape for h, r in zip(heads, ref)):
+            raise StateError(f"{where}: {type(algo).__name__}.eval_models gives heads without a client axis (the "
+                             f"model's own head shapes): give every client's, [K, ...] (a shared head: "
+                             f"pfedkdh_jax.broadcast(head, K))")
         k = heads[0].shape[1 if rep_axis else 0]
         if k != data.num_clients:
-            raise ValueError(f"{where}: the state holds {k} clients (its evaluation heads are [{k}, ...]) but the "
+            raise StateError(f"{where}: the state holds {k} clients (its evaluation heads are [{k}, ...]) but the "
                              f"data has {data.num_clients}: build the state with algo.init(key, data) on the data it "
                              f"runs on (or, writing a method, give EvalModels heads stacked per client, [K, ...])")
     check_eval_backbone(algo, models, data, where, rep_axis)
@@ -193,7 +198,7 @@ def check_eval_backbone(algo: Algorithm, models, data: FederatedData, where: str
     :class:`~pfedkdh_jax.engine.client_rows.ClientRows`, a method's own form) is not checked."""
     if models.backbone is None:
         return
-    ref = jax.eval_shape(lambda key: algo.model.init(key, tuple(data.input_shape)), jax.random.key(0))["backbone"]
+    ref = _model_shapes(algo, data)["backbone"]
     ref_leaves, ref_tree = jax.tree_util.tree_flatten(ref)
     leaves, tree = jax.tree_util.tree_flatten(models.backbone)
     if tree != ref_tree or not leaves:
@@ -204,12 +209,17 @@ def check_eval_backbone(algo: Algorithm, models, data: FederatedData, where: str
         return
     stacked = len(lead[0]) > (1 if rep_axis else 0)   # a client axis besides any repetition axis
     if stacked and not models.per_client:
-        raise ValueError(f"{where}: {type(algo).__name__}.eval_models gives a backbone per client "
+        raise StateError(f"{where}: {type(algo).__name__}.eval_models gives a backbone per client "
                          f"([{lead[0][-1]}, ...]) without per_client=True: return EvalModels(..., per_client=True) so "
                          "each client's test samples go through its own backbone")
     if models.per_client and not stacked:
-        raise ValueError(f"{where}: {type(algo).__name__}.eval_models says per_client=True but gives one shared "
+        raise StateError(f"{where}: {type(algo).__name__}.eval_models says per_client=True but gives one shared "
                          "backbone: leave per_client False, or give the clients' backbones stacked [K, ...]")
+
+
+def _model_shapes(algo: Algorithm, data: FederatedData):
+    """The shapes of ``algo.model.init``'s parameters on ``data``'s inputs (nothing computed)."""
+    return jax.eval_shape(lambda key: algo.model.init(key, tuple(data.input_shape)), jax.random.key(0))
 
 
 def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:
@@ -220,6 +230,7 @@ def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:
     ``before_training`` (pFedKDH's optional warm-up) is not part of a round: :meth:`RoundPieces.prepare`
     (or a runner's ``prepare``) runs it once before round 0."""
     check_one_phase(algo, "make_round(algo)")
+    check_pieces(algo, "make_round(algo)")
     return RoundPieces(algo, layout.resolved(), trace_scan=layout.step_loop is None)
 
 

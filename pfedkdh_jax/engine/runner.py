@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pfedkdh_jax.engine.protocol import Algorithm, prepares_rounds, splits_uploads
+from pfedkdh_jax.engine.protocol import (Algorithm, ProtocolError, check_pieces, prepares_rounds, splits_uploads,
+                                         state_change)
 from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine import client_rows, scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
@@ -461,6 +462,13 @@ class _Means:
         return tuple(got.get(i, zero) for i in range(self.devices))
 
 
+def _kind(state) -> tuple:
+    """What a compiled round is keyed on in ``state``: its structure (static fields included), shapes
+    and dtypes."""
+    leaves, tree = jax.tree_util.tree_flatten(state)
+    return tree, tuple((np.shape(x), str(getattr(x, "dtype", ""))) for x in leaves)
+
+
 def _unshared(state):
     """``state`` with a copy of every leaf after the first that holds the same buffer as another (a fresh
     ``init`` may hand one array to two fields, e.g. a ClientRows' base and the global model): a donated
@@ -557,6 +565,7 @@ class RoundRunner:
         # workload: the rounds this runner will train (and evaluations), so that the host plans
         # compile only the narrow step widths that pay (None: every width its clients meet)
         check_one_phase(algo, "RoundRunner(algo, ...)")
+        check_pieces(algo, "RoundRunner(algo, ...)")
         self.algo, self.reps, self.mesh = algo, reps, mesh
         self.donate_state = donate_state
         state_donation = 0 if donate_state else None
@@ -568,6 +577,7 @@ class RoundRunner:
         self.evaluate_fn = make_evaluate(algo, self.layout)
         self.traces: collections.Counter = collections.Counter()
         self._fitting: set = set()   # kinds of state and data check_state_clients passed
+        self._kept: set = set()      # kinds of state a round was seen to return unchanged
         if data.stacked and reps != data.runs:
             raise ValueError(f"stacked partitions of {data.runs} runs need reps={data.runs}; got reps={reps}")
         self.stacked = data.stacked
@@ -688,7 +698,25 @@ class RoundRunner:
         """One federated round over the clients ``selected`` (host ints ``[C]``, or ``[R, C]`` with
         repetitions; ``key`` then ``[R]``). Returns device values without synchronising."""
         selected = checked_selection(selected, data.num_clients, 1 if self.reps is None else 2)
-        self._check_clients(state, data, "RoundRunner.round")
+        kind = _kind(state)
+        self._check_clients(state, data, "RoundRunner.round", kind)
+        if kind in self._kept:
+            return self._round(state, data, selected, key)
+        given = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), state)
+        new, metrics = self._round(state, data, selected, key)
+        change, name = state_change(given, new), type(self.algo).__name__
+        if change is not None:   # the next round would compile again, and again: say where, once
+            raise ProtocolError(f"RoundRunner.round: {name}'s round returns a state unlike the one it was given "
+                                f"({change}); every round would compile again: its server step must keep the "
+                                "state's structure, shapes, dtypes and static fields")
+        if not (isinstance(metrics, dict) and "train_loss" in metrics):
+            raise ProtocolError(f"RoundRunner.round: {name}'s server step returns metrics without train_loss "
+                                "(a dict with the clients' mean local loss, and client_loss [C] to name a diverging "
+                                "client: pfedkdh_jax.round_metrics(updates))")
+        self._kept.add(kind)
+        return new, metrics
+
+    def _round(self, state, data: FederatedData, selected: np.ndarray, key: jax.Array):
         sel = self.place(jnp.asarray(selected, jnp.int32))
         key = self.place(key)
         state = self._pin(state)
@@ -721,10 +749,9 @@ class RoundRunner:
         check_state_clients(self.algo, state, data, "RoundRunner.prepare")
         return (algo or self.algo).before_training(state, data, key, self.train)
 
-    def _check_clients(self, state, data: FederatedData, where: str) -> None:
-        """:func:`check_state_clients`, once per kind of state (its structure and shapes) and data."""
-        leaves, tree = jax.tree_util.tree_flatten(state)
-        kind = (tree, tuple(np.shape(x) for x in leaves), data.num_clients)
+    def _check_clients(self, state, data: FederatedData, where: str, kind: tuple | None = None) -> None:
+        """:func:`check_state_clients`, once per kind of state (:func:`_kind`, given or read) and data."""
+        kind = (_kind(state) if kind is None else kind, data.num_clients)
         if kind not in self._fitting:
             check_state_clients(self.algo, state, data, where, rep_axis=self.reps is not None)
             self._fitting.add(kind)

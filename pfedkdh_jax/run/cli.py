@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how many seeds per point (--seed, --seed + 1, ...), run as one run's repetitions (default: 1)")
     sw.add_argument("--grid", action="append", default=None, metavar="OPTION=V1,V2",
                     help="run option values to sweep, repeatable (e.g. lam=0,0.5); applied to the methods "
-                         "that read the option")
+                         "that read the option; METHOD:KEY=V1,V2 sweeps a method's own option "
+                         "(e.g. fedprox:mu=0.01,0.1)")
     sw.add_argument("--method-arg", dest="sweep_method_args", action="append", default=None,
                     metavar="METHOD:KEY=VALUE", help="a method's own option, repeatable")
     sw.add_argument("--preset", default=None, choices=PRESETS, help="as for run (default: default)")
@@ -325,6 +326,9 @@ def _sweep(args) -> int:
             if "=" not in item:
                 raise ConfigError(f"--grid must be OPTION=V1,V2,...; got {item!r}")
             key, values = item.split("=", 1)
+            if ":" in key:   # METHOD:KEY, a method's own option: its values stay text, as --method-arg's
+                grid[key] = _split(values, f"--grid {key}")
+                continue
             key = key.replace("-", "_")
             typ = _field_type(key)
             items = _split(values, f"--grid {key}")
@@ -411,11 +415,12 @@ def _start_distributed(coordinator: str | None, num_processes: int | None, proce
 
 
 def _guarded_sweep(job):
+    from pfedkdh_jax.engine.protocol import ProtocolError
     from pfedkdh_jax.run.checkpoint import CheckpointError
     from pfedkdh_jax.run.experiment import DivergenceError
     try:
         return job()
-    except CheckpointError as e:
+    except (CheckpointError, ProtocolError) as e:
         return _error(e)
     except DivergenceError as e:
         print(f"pfedkdh: {e.kind}: {e}", file=sys.stderr)
@@ -441,11 +446,12 @@ def _resume(args) -> int:
 
 def _guarded(job) -> int:
     """Run ``job`` and print its summary; known failures become one line and an exit code."""
+    from pfedkdh_jax.engine.protocol import ProtocolError
     from pfedkdh_jax.run.checkpoint import CheckpointError
     from pfedkdh_jax.run.experiment import DivergenceError
     try:
         summary = job()
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, ProtocolError) as e:   # a method of one's own: what it broke
         return _error(e)
     except DivergenceError as e:
         print(f"pfedkdh: {e.kind}: {e}", file=sys.stderr)

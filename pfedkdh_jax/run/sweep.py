@@ -66,7 +66,7 @@ class Sweep:
     alphas: tuple[float, ...]
     methods: tuple[str, ...]
     seeds: int = 1                                   # repetitions per point: seeds seed, seed+1, ...
-    grid: tuple[tuple[str, tuple], ...] = ()         # ((RunConfig field, (values...)), ...)
+    grid: tuple[tuple[str, tuple], ...] = ()         # ((RunConfig field or METHOD:KEY, (values...)), ...)
     preset: str = "default"
     options: tuple[tuple[str, Any], ...] = ()        # other run options, shared by every point
     method_args: tuple[tuple[str, tuple], ...] = ()  # ((method, ((key, text), ...)), ...)
@@ -97,15 +97,28 @@ def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", 
             raise ConfigError(f"{key!r} is an axis of the sweep (--{key}s / --seeds), not a run option")
         if key not in RunConfig.__dataclass_fields__:
             raise ConfigError(f"{key!r} is not a run option")
-    grid = dict(grid or {})
+    grid = {_own_key(k): v for k, v in (grid or {}).items()}
     for key, values in grid.items():
+        if ":" in key:   # METHOD:KEY, a method's own option (its --method-arg), one method's points only
+            m, own = key.split(":", 1)
+            if m not in methods:
+                raise ConfigError(f"--grid {key}: {m} is not one of the sweep's --methods")
+            spec = METHODS.get(m)
+            if spec is not None and own not in spec.args:
+                raise ConfigError(f"--grid {key}: {m} has no option {own!r} of its own"
+                                  + (f" (its own: {', '.join(spec.args)})" if spec.args else
+                                     f" (its options are run options: --grid {own}=V1,V2)"))
+            if any(k == own for k, _ in (method_args.get(m) or ())):
+                raise ConfigError(f"--grid {key} and --method-arg {m}:{own}=...: give one of them")
+            listed(f"grid {key}", values)
+            continue
         if key in _AXES or key not in RunConfig.__dataclass_fields__:
             raise ConfigError(f"--grid {key}: not a run option that a grid can vary")
         listed(f"grid {key}", values)
         if key in _METHOD_FIELDS and not any(key in METHODS[m].run_options for m in methods if m in METHODS):
             users = ", ".join(m for m, spec in METHODS.items() if key in spec.run_options)
             own = [m for m in methods if m in METHODS and key in METHODS[m].args]
-            hint = f" ({own[0]}'s own {key}: --method-arg {own[0]}:{key}=V, one value a sweep)" if own else ""
+            hint = f" ({own[0]}'s own {key}: --grid {own[0]}:{key}=V1,V2)" if own else ""
             raise ConfigError(f"--grid {key}: none of the sweep's methods reads it (an option of {users}){hint}")
     if not isinstance(seeds, int) or seeds < 1:
         raise ConfigError(f"--seeds must be >= 1; got {seeds}")
@@ -121,9 +134,25 @@ def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", 
     return sweep
 
 
+def _own_key(key: str) -> str:
+    """A grid key ``METHOD:KEY`` with the method's name as registered (``FedProx:mu`` → ``fedprox:mu``)."""
+    if ":" not in key:
+        return key
+    m, own = key.split(":", 1)
+    return f"{canonical_name(m, METHODS)}:{own}"
+
+
 def _grid_for(sweep: Sweep, method: str) -> list[tuple[str, tuple]]:
-    """The grid options ``method`` reads: shared options, and the method-only ones it uses."""
-    return [(k, v) for k, v in sweep.grid if k not in _METHOD_FIELDS or k in METHODS[method].run_options]
+    """The grid options ``method`` reads: shared options, the method-only ones it uses, and its own
+    (``METHOD:KEY``, named here by ``KEY`` alone)."""
+    return [(k.split(":", 1)[1] if ":" in k else k, v) for k, v in sweep.grid
+            if (k.split(":", 1)[0] == method if ":" in k else
+                k not in _METHOD_FIELDS or k in METHODS[method].run_options)]
+
+
+def _own_options(sweep: Sweep, method: str) -> set[str]:
+    """The keys of ``method``'s own options the grid varies."""
+    return {k.split(":", 1)[1] for k, _ in sweep.grid if ":" in k and k.split(":", 1)[0] == method}
 
 
 def _fmt(v) -> str:
@@ -135,14 +164,15 @@ def points(sweep: Sweep, out: str = "sweep") -> list[tuple[str, RunConfig]]:
     margs = dict(sweep.method_args)
     result = []
     for dataset, alpha, method in itertools.product(sweep.datasets, sweep.alphas, sweep.methods):
-        grid = _grid_for(sweep, method)
+        grid, own = _grid_for(sweep, method), _own_options(sweep, method)
         for values in itertools.product(*[v for _, v in grid]):
             chosen = dict(zip([k for k, _ in grid], values))
             name = f"{dataset}-a{_fmt(alpha)}-{method}" + "".join(f"-{k}{_fmt(v)}" for k, v in chosen.items())
+            options = {k: v for k, v in chosen.items() if k not in own}
+            args = tuple(margs.get(method, ())) + tuple((k, str(v)) for k, v in chosen.items() if k in own)
             try:
-                cfg = make_config(sweep.preset, **{**dict(sweep.options), **chosen}, dataset=dataset,
-                                  alpha=alpha, method=method, reps=sweep.seeds,
-                                  method_args=margs.get(method, ()),
+                cfg = make_config(sweep.preset, **{**dict(sweep.options), **options}, dataset=dataset,
+                                  alpha=alpha, method=method, reps=sweep.seeds, method_args=args,
                                   out=os.path.join(out, "points", name))
             except ConfigError as e:
                 raise ConfigError(f"sweep point {name}: {e}") from None
@@ -331,8 +361,9 @@ def _load(sweep: Sweep, out: str) -> list[dict]:
 
 
 def _label(cfg: RunConfig, sweep: Sweep) -> str:
-    grid = _grid_for(sweep, cfg.method)
-    return cfg.method + "".join(f" {k}={getattr(cfg, k)}" for k, _ in grid if len(dict(grid)[k]) > 1)
+    grid, own, args = _grid_for(sweep, cfg.method), _own_options(sweep, cfg.method), dict(cfg.method_args)
+    return cfg.method + "".join(f" {k}={args[k] if k in own else getattr(cfg, k)}" for k, values in grid
+                                if len(values) > 1)
 
 
 def table_rows(sweep: Sweep, out: str) -> tuple[list[str], list[dict]]:
@@ -373,7 +404,8 @@ def table_markdown(columns: list[str], rows: list[dict]) -> str:
             if cell is None:
                 cells.append("–")
                 continue
-            text = f"{100 * cell['mean']:.2f} ± {100 * cell['std']:.2f}"
+            text = (f"{100 * cell['mean']:.2f} ± {100 * cell['std']:.2f}" if cell.get("seeds", 1) > 1
+                    else f"{100 * cell['mean']:.2f}")   # one seed: no spread to show
             if cell["status"] != "completed":
                 text += f" ({cell['status']}, {cell['rounds']} rounds)"
             cells.append(f"**{text}**" if cell["mean"] == best[c] else text)
@@ -416,7 +448,8 @@ def write_outputs(sweep: Sweep, out: str) -> dict:
     note = (f"Scored on a validation split ({fraction:g} of each client's train data, --validation-fraction), "
             "not on the clients' test splits." if fraction > 0 else "")
     with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(f"Final mean ± std over {sweep.seeds} seed(s), %; best of each column in bold."
+        f.write((f"Final mean ± std over {sweep.seeds} seeds, %" if sweep.seeds > 1 else "Final value, one seed, %")
+                + "; best of each column in bold."
                 + (f" {note}" if note else "") + f"\n\n{text}\n")
     with open(os.path.join(out, "table.csv"), "w", newline="") as f:
         w = csv.writer(f)
