@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pfedkdh_jax.engine.layout import Layout
+from pfedkdh_jax.engine.protocol import ClientUpdate
 from pfedkdh_jax.model import CNN
 from pfedkdh_jax.algorithms.pfedkdh import PFedKDH, PFedKDHConfig
 from pfedkdh_jax.engine.runner import RoundRunner, sample_schedule
@@ -61,17 +62,26 @@ def test_unselected_heads_are_bit_identical(trained):
             assert same == (k not in sel), (r, k)
 
 
+def server_step(algo, state, backbones, selected, data, key):
+    """The server step (``server_update``, the runner's path) on the selected clients' uploaded
+    ``backbones`` ``[C, ...]``, their heads as the state holds them: (θ_g, φ_g, teacher loss)."""
+    sel = jnp.asarray(selected)
+    heads = jax.tree_util.tree_map(lambda h: h[sel], state.heads)
+    updates = ClientUpdate(params={"backbone": backbones, "head": heads}, loss=jnp.zeros(len(selected)))
+    new, metrics = algo.server_update(state, data, sel, updates, key)
+    return new.backbone, new.teacher_head, metrics["teacher_loss"]
+
+
 def test_selected_heads_stay_with_their_client(tiny, trained):
-    """The server step reads only the uploaded backbones: client heads cannot influence it."""
+    """The server step's θ_g and φ_g read only the uploaded backbones: client heads cannot influence them."""
     _, _, data = tiny
     algo, _, states, _ = trained
     state = states[1]
     uploads = jax.tree_util.tree_map(lambda x: jnp.stack([x, 0.5 * x]), state.backbone)
-    w = jnp.array([3, 1])
     key = jax.random.key(7)
-    a = algo.aggregate(state, uploads, w, data, key)
+    a = server_step(algo, state, uploads, [0, 2], data, key)
     scrambled = state.replace(heads=jax.tree_util.tree_map(lambda h: h * -3.0 + 1.0, state.heads))
-    b = algo.aggregate(scrambled, uploads, w, data, key)
+    b = server_step(algo, scrambled, uploads, [0, 2], data, key)
     assert leaves_equal(a, b)
 
 
@@ -79,16 +89,16 @@ def test_backbone_is_weighted_average_and_refit_touches_only_the_head(tiny):
     _, _, data = tiny
     algo, _, state = make(tiny)
     uploads = jax.tree_util.tree_map(lambda x: jnp.stack([x, x + 1.0]), state.backbone)
-    w = jnp.array([1, 3])
-    backbone, head, loss = algo.aggregate(state, uploads, w, data, jax.random.key(1))
-    expected = jax.tree_util.tree_map(lambda x: x + 0.75, state.backbone)
+    n0, n1 = (float(data.train_n[k]) for k in (0, 1))
+    backbone, head, loss = server_step(algo, state, uploads, [0, 1], data, jax.random.key(1))
+    expected = jax.tree_util.tree_map(lambda x: x + n1 / (n0 + n1), state.backbone)   # weighted by n_k
     for got, want in zip(jax.tree_util.tree_leaves(backbone), jax.tree_util.tree_leaves(expected)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert not leaves_equal(head, state.teacher_head)
     assert np.isfinite(float(loss))
     # the refit is head-only SGD over features of the frozen backbone: zero epochs = unchanged head
     no_refit = PFedKDH(algo.model, PFedKDHConfig(**{**HP.__dict__, "teacher_epochs": 0}))
-    _, head0, _ = no_refit.aggregate(state, uploads, w, data, jax.random.key(1))
+    _, head0, _ = server_step(no_refit, state, uploads, [0, 1], data, jax.random.key(1))
     assert leaves_equal(head0, state.teacher_head)
 
 

@@ -168,9 +168,13 @@ def test_config_files(tmp_path):
     js = tmp_path / "c.json"
     js.write_text(json.dumps({"rounds": 3, "lam": 0.25}))
     py = tmp_path / "c.py"
-    py.write_text("def get_config(smoke=False):\n    return {'rounds': 4, 'mu': 0.5}\n")
+    py.write_text("def get_config(smoke=False):\n    return {'rounds': 2 if smoke else 4, 'mu': 0.5}\n")
     assert cli.load_config_file(str(js)) == {"rounds": 3, "lam": 0.25}
     assert cli.load_config_file(str(py)) == {"rounds": 4, "mu": 0.5}
+    assert cli.load_config_file(str(py), smoke=True) == {"rounds": 2, "mu": 0.5}   # --preset smoke
+    plain = tmp_path / "plain.py"
+    plain.write_text("def get_config():\n    return {'rounds': 5}\n")
+    assert cli.load_config_file(str(plain), smoke=True) == {"rounds": 5}
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"alpha": -1}))
     assert cli.main(["run", "--config", str(bad), "--no-progress"]) == 2

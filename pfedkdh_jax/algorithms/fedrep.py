@@ -15,7 +15,7 @@ How it runs on the shared engine: during the head epochs the representation is f
 features do not change; ``client_start`` computes them once (one forward pass over the client's
 padded train row, in chunks) and fits the head on them with head-only SGD (``head_epochs`` epochs, a
 fresh shuffle each, ``lax.scan`` over dense steps only). The engine's
-:class:`~pfedkdh_jax.engine.LocalTrainer` then runs the E representation epochs with a body-only
+:class:`~pfedkdh_jax.engine.local.LocalTrainer` then runs the E representation epochs with a body-only
 optimizer (the head's update is exactly zero, so it stays bit-identical). The two phases have
 separate optimizers, as in the paper. This makes the head epochs cost about one forward pass instead
 of ``head_epochs`` full steps per batch: a paper-preset MNIST round took 14.0 s against FedPer's

@@ -14,7 +14,8 @@ Only θ_k is uploaded; the server averages the backbones weighted by n_k and the
 auxiliary set D_s with θ_g frozen (features computed once per round).
 
 Beyond the paper, as options (``kd_target``, ``kd_gate``; the paper's form is ``plain`` / ``none``):
-class-aware forms of the teacher-to-client transfer (``TRANSFER_FORMS`` below) and the ablation
+class-aware forms of the teacher-to-client transfer ("How the teacher reaches a client" below;
+``KD_TARGETS``, ``KD_GATES`` in configs.py) and the ablation
 ``persistent_heads=False``. Evaluation: pFedKDH-Fair scores (θ_g, φ_k); pFedKDH-EA (the
 ``personalization``) first takes head-only SGD steps — ``ea_steps`` steps, or ``ea_epochs`` epochs —
 on client k's train split with θ_g frozen, for that evaluation only. ``before_training`` runs the
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms import common as C
-from pfedkdh_jax.algorithms.configs import KD_GATES, KD_TARGETS, PFedKDHConfig
+from pfedkdh_jax.algorithms.configs import PFedKDHConfig
 from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, EvalModels, Personalization
 from pfedkdh_jax.data.device import FederatedData, gather_inputs
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
@@ -59,7 +60,6 @@ PyTree = Any
 #                       (p̄_g − p̄_k) / (1 − p̄_k); near-perfect students made that ratio large on tiny
 #                       margins and it scored 1.4–1.8 points below λ = 0: experiments/SWEEP.md.)
 # With a gate, sample i's loss is (1 − λ_i)·CE_i + λ_i·T²·KL_i: an untrusted sample keeps its full CE.
-TRANSFER_FORMS = (KD_TARGETS, KD_GATES)
 
 
 @struct.dataclass
@@ -246,12 +246,6 @@ class PFedKDH(Algorithm):
                    "finite_params": finite.astype(jnp.float32)}
         return state.replace(backbone=backbone, teacher_head=teacher_head, heads=heads,
                              round=state.round + 1), metrics
-
-    def aggregate(self, state: PFedKDHState, uploads: PyTree, weights: jax.Array,
-                  data: FederatedData, key: jax.Array):
-        """Server step from the uploads alone: θ_g ← Σ n_k θ_k / Σ n_k, then refit φ_g on D_s."""
-        backbone = C.weighted_average(uploads, weights)
-        return (backbone, *self.refit(state, backbone, data, key))
 
     def refit(self, state: PFedKDHState, backbone: PyTree, data: FederatedData, key: jax.Array):
         """``(φ_g, loss)``: the teacher head refit on D_s over the features of the new ``backbone``

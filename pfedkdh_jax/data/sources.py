@@ -31,7 +31,8 @@ class DataError(ValueError):
     """Raised for every invalid data option and every missing or unreadable dataset."""
 
 
-#: Dataset names accepted by :func:`load_pool`.  ``"digits"`` is an offline demo, the others are tfds datasets.
+#: Dataset names accepted by :func:`load_pool`.  ``"digits"`` is an offline demo, ``"synthetic"`` a generated pool of any size
+#: (``--synthetic-samples``), the others are tfds datasets.
 DATASETS: tuple = ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "synthetic")
 
 # Number of classes of each dataset (CIFAR-100: the 100 fine labels, tfds feature "label").

@@ -38,5 +38,5 @@ def request_cpu_devices(n: int | None = None) -> int | None:
 
 def request_for_client_devices(client_devices: int | None) -> int | None:
     """:func:`request_cpu_devices` for a run's ``--client-devices``: at least that many host devices and
-    at least the default (a smaller ``client_devices`` uses only some of them)."""
+    at least ``CPU_DEVICES_DEFAULT_MAX`` (2; a smaller ``client_devices`` uses only some of them)."""
     return request_cpu_devices(max(client_devices, CPU_DEVICES_DEFAULT_MAX) if client_devices else None)

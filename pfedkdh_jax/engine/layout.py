@@ -38,7 +38,6 @@ All forms compute the same numbers (tests check it). BENCHMARKS.md has the figur
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
 import jax
@@ -145,9 +144,5 @@ def local_training_compiler_options(backend: str | None = None) -> dict | None:
     if (backend or jax.default_backend()) != "cpu" or _YNN_OPTION in os.environ.get("XLA_FLAGS", ""):
         return None
     return {_YNN_OPTION: _YNN_TRAINING}
-
-
-def num_chunks(steps: int, chunk_steps: int) -> int:
-    return max(1, math.ceil(steps / chunk_steps))
 
 

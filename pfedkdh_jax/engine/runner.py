@@ -466,7 +466,7 @@ def _kind(state) -> tuple:
     """What a compiled round is keyed on in ``state``: its structure (static fields included), shapes
     and dtypes."""
     leaves, tree = jax.tree_util.tree_flatten(state)
-    return tree, tuple((np.shape(x), str(getattr(x, "dtype", ""))) for x in leaves)
+    return tree, tuple((tuple(getattr(x, "shape", None) or np.shape(x)), getattr(x, "dtype", None)) for x in leaves)
 
 
 def _unshared(state):
@@ -563,7 +563,7 @@ class RoundRunner:
         # (stacked runs): every piece then rebuilds the algorithm inside its trace from its
         # repetition's values (``algo.with_hparams``), so one program serves them all;
         # workload: the rounds this runner will train (and evaluations), so that the host plans
-        # compile only the narrow step widths that pay (None: every width its clients meet)
+        # compile only the narrow step widths that pay (None: full batches only)
         check_one_phase(algo, "RoundRunner(algo, ...)")
         check_pieces(algo, "RoundRunner(algo, ...)")
         self.algo, self.reps, self.mesh = algo, reps, mesh

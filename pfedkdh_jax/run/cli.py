@@ -136,10 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run one federated experiment",
                        description="Run one experiment; flags override the preset's values.",
                        epilog="Presets: 'default' and 'paper' use method.md Table 1 for paper datasets "
-                              "(digits: 10 clients, |D_s| 300, 20 rounds, α 0.5); 'smoke' = 2 rounds.")
+                              "(digits: 10 clients, |D_s| 300, 20 rounds, α 0.5); 'smoke' = 2 rounds. Methods: "
+                              + " | ".join(f"{m} = {spec.summary}" for m, spec in METHODS.items()) + ".")
     r.add_argument("--preset", default="default", choices=PRESETS,
-                   help="default: paper schedule for paper datasets, a demo schedule for digits; "
-                        "paper: method.md Table 1; smoke: 2 rounds")
+                   help="default and paper (the same): method.md Table 1 on the paper's datasets, a demo "
+                        "schedule on digits; smoke: 2 rounds")
     for flag, field, typ, hlp in _FLAGS:
         default = RunConfig.__dataclass_fields__[field].default
         r.add_argument(flag, dest=field, type=typ, default=None,
@@ -204,13 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
         sw.add_argument(flag, dest=field, action="store_const", const=value, default=None, help=hlp)
     rep = sub.add_parser("report", help="compare finished runs: a table and a figure")
     rep.add_argument("run_dirs", nargs="+")
-    rep.add_argument("--out", default=None, help="directory for the figures (default: the first run dir)")
+    rep.add_argument("--out", default=None, help="directory for comparison.png (default: the first run dir); "
+                                                 "clients.png goes into each run dir")
     p.commands = {"run": r, "resume": res, "sweep": sw, "report": rep}
     return p
 
 
-def load_config_file(path: str) -> dict:
-    """Options from a JSON file or a Python file defining ``get_config(smoke=False) -> dict``."""
+def load_config_file(path: str, smoke: bool = False) -> dict:
+    """Options from a JSON file or a Python file defining ``get_config(smoke=False) -> dict``
+    (``smoke``: ``--preset smoke`` was given; a ``get_config()`` without the parameter is called
+    without it)."""
     import os
     if not os.path.exists(path):
         raise ConfigError(f"--config file {path!r} does not exist")
@@ -227,7 +231,9 @@ def load_config_file(path: str) -> dict:
         spec.loader.exec_module(module)
         if not hasattr(module, "get_config"):
             raise ConfigError(f"--config {path}: defines no get_config()")
-        values = dict(module.get_config())
+        import inspect
+        takes_smoke = "smoke" in inspect.signature(module.get_config).parameters
+        values = dict(module.get_config(smoke=smoke) if takes_smoke else module.get_config())
     else:
         raise ConfigError(f"--config must be a .json or .py file; got {path!r}")
     if not isinstance(values, dict):
@@ -270,7 +276,7 @@ def _command(args) -> int:
               if k in RunConfig.__dataclass_fields__ and v is not None}
     try:
         if args.config:
-            values = {**load_config_file(args.config), **values}
+            values = {**load_config_file(args.config, smoke=args.preset == "smoke"), **values}
         if args.method_args:
             bad = [a for a in args.method_args if "=" not in a]
             if bad:
@@ -307,7 +313,7 @@ def _sweep(args) -> int:
     import time
 
     try:
-        spec = load_config_file(args.config) if args.config else {}
+        spec = load_config_file(args.config, smoke=args.preset == "smoke") if args.config else {}
         spec = {k: spec[k] for k in spec}
         axes = {k: spec.pop(k) for k in ("datasets", "alphas", "methods", "seeds", "grid", "preset",
                                          "method_args", "stack") if k in spec}

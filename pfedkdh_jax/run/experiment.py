@@ -112,10 +112,6 @@ class _Group:
     data: Any = None
     eval_data: Any = None     # what evaluations read, when not ``data`` (--eval-clients)
 
-    @property
-    def seeds(self) -> list[int]:
-        return [s for _, s in self.members]
-
     def round_key(self, stream: str, t: int) -> jax.Array:
         if self.batched:
             return jax.vmap(jax.random.fold_in, in_axes=(0, None))(self.keys[stream], t)

@@ -6,7 +6,7 @@ The estimate has four terms:
 * **states**: the algorithm state's bytes (from ``jax.eval_shape`` of ``init``: nothing is allocated)
   for every repetition — all repetitions' states are held, whichever ``--reps-mode`` — its shared
   part times 3 for the local copies, gradients and optimizer states of a round, its per-client part
-  once plus twice the selected clients' share;
+  twice (the state and the server step's new tables) plus twice the selected clients' share;
 * **updates**: the round's stacked client results (``ClientUpdate`` ``[C, ...]``, from
   ``jax.eval_shape`` of a client's start and finish; the largest over a method's phases) — the
   buffer the selected clients' uploads are written into, which dominates with a thousand clients a

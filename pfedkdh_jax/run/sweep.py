@@ -70,7 +70,7 @@ class Sweep:
     preset: str = "default"
     options: tuple[tuple[str, Any], ...] = ()        # other run options, shared by every point
     method_args: tuple[tuple[str, tuple], ...] = ()  # ((method, ((key, text), ...)), ...)
-    stack: bool = False                              # points differing only in α: one program
+    stack: bool = False                              # points differing only in α and traced grid values: one program
 
     def to_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
