@@ -98,7 +98,12 @@ def test_pfedkdh_only_flags_are_rejected_with_other_methods(flags, capsys):
 def test_a_pfedkdh_flag_named_like_a_methods_own_option_points_to_it(capsys):
     assert cli.main(["run", "--no-progress", "--method", "fedprox", "--mu", "0.5"]) == 2
     assert capsys.readouterr().err.strip().endswith("--method fedprox does not use it (its own mu: "
-                                                    "--method-arg mu=0.5)")
+                                                    "--method-arg fedprox:mu=0.5, in a run or a sweep)")
+    # which a run takes as the sweep writes it (the method's name as prefix, any case), or bare
+    for key in ("FedProx:mu", "mu"):
+        assert make_config("smoke", method="fedprox", method_args=((key, "0.5"),)).method_args == (("mu", "0.5"),)
+    with pytest.raises(ConfigError, match="'fedavg:mu' is not an option of fedprox .*; this run's method is fedprox"):
+        make_config("smoke", method="fedprox", method_args=(("fedavg:mu", "0.5"),))
 
 
 def test_ctrl_c_says_how_to_go_on(tmp_path, monkeypatch, capsys):
@@ -114,6 +119,16 @@ def test_ctrl_c_says_how_to_go_on(tmp_path, monkeypatch, capsys):
                                                "from its last checkpoint")
     assert cli.main(["run", "--preset", "smoke", "--out", str(out), "--checkpoint-every", "0", "--no-progress"]) == 130
     assert "kept no checkpoints (--checkpoint-every 0)" in capsys.readouterr().err
+    # SIGTERM (kill, timeout) stops as Ctrl-C does: one line, exit 143, the handler given back after
+    import signal
+
+    def killed(cfg, **_):
+        os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(experiment, "run", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["run", "--preset", "smoke", "--out", str(out), "--no-progress"]) == 143
+    assert capsys.readouterr().err.strip().startswith(f"pfedkdh: terminated; `pfedkdh resume {out}` continues")
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_bad_input_fails_before_importing_jax():

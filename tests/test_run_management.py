@@ -189,6 +189,14 @@ def test_report_table_and_figures(tmp_path, reference, capsys):
     assert (tmp_path / "comparison.png").stat().st_size > 1000
     assert (Path(reference) / "clients.png").stat().st_size > 1000
     assert cli.main(["report", str(tmp_path / "nothing")]) == 2
+    # two sweeps' points of one name are told apart, and a method's own options shown
+    from pfedkdh_jax.run.report import table
+    runs = [{"dir": f"/w/{s}/points/digits-a0.1-fedprox", "rows": [], "summary": {},
+             "config": {"method": "fedprox", "method_args": [["mu", mu]], "dataset": "digits", "alpha": 0.1}}
+            for s, mu in (("s1", "0.1"), ("s2", "0.01"))]
+    text = table(runs)
+    assert "| s1/points/digits-a0.1-fedprox | fedprox mu=0.1 |" in text
+    assert "| s2/points/digits-a0.1-fedprox | fedprox mu=0.01 |" in text
 
 
 def test_checkpoint_files_hold_the_state_and_refuse_another_shape(tmp_path):

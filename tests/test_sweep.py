@@ -124,12 +124,40 @@ def test_a_grid_over_a_methods_own_option():
     assert pts["digits-a0.5-fedprox-mu0.1"].method_args == (("mu", "0.1"),)
     assert pts["digits-a0.5-fedper"].method_args == ()
     assert [_label(c, sweep) for _, c in points(sweep)] == ["fedper", "fedprox mu=0.01", "fedprox mu=0.1"]
+    # typed as the option is: 1e-1 and 0.1 are one value (a config file's numbers, the command line's text)
+    with pytest.raises(ConfigError, match="lists a value twice"):
+        make_sweep(["digits"], [0.5], ["fedprox"], grid={"fedprox:mu": ["1e-1", 0.1]}, options=SMALL)
+    assert make_sweep(["digits"], [0.5], ["fedprox"], grid={"fedprox:mu": ["0.1"]}, options=SMALL).grid == \
+        make_sweep(["digits"], [0.5], ["fedprox"], grid={"fedprox:mu": [0.1]}, options=SMALL).grid
+    # one method's options under two spellings are merged, not one dropped
+    merged = make_sweep(["digits"], [0.5], ["ditto"], method_args={"ditto": [("lam", "0.5")],
+                                                                    "Ditto": [("personal_rows", "2")]}, options=SMALL)
+    assert dict(merged.method_args) == {"ditto": (("lam", "0.5"), ("personal_rows", "2"))}
     for grid, margs, message in [({"fedrep:head_epochs": ["1"]}, None, "fedrep is not one of the sweep's --methods"),
+                                 ({":mu": ["1"]}, None, "name the method and its option, METHOD:KEY=V1,V2"),
+                                 ({"fedprox:mu": ["1"], "FedProx:mu": ["2"]}, None, "given twice (as fedprox:mu)"),
                                  ({"fedprox:lam": ["1"]}, None, "fedprox has no option 'lam' of its own (its own: mu)"),
                                  ({"fedprox:mu": ["0.1"]}, {"fedprox": [("mu", "1")]}, "give one of them"),
                                  ({"fedprox:mu": ["-1"]}, None, "--method-arg mu must be >= 0 for fedprox")]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             make_sweep(["digits"], [0.5], ["fedper", "fedprox"], grid=grid, method_args=margs, options=SMALL)
+
+
+def test_a_sweep_continues_whatever_the_order_of_its_lists_and_grows_by_a_method_with_its_grid():
+    """The same grid in another order is the same sweep (its stored order kept: the points' names and
+    the table's rows); a method added with a grid over its own option grows the sweep."""
+    from pfedkdh_jax.run.sweep import _added, _in_stored_order
+    stored = make_sweep(["digits"], [0.5, 1.0], ["fedper", "fedprox"],
+                        grid={"fedprox:mu": [0.01, 0.1], "lr": [0.01, 0.02]}, options=SMALL)
+    again = make_sweep(["digits"], [1.0, 0.5], ["fedprox", "fedper"],
+                       grid={"lr": [0.02, 0.01], "fedprox:mu": [0.1, 0.01]}, options=SMALL)
+    assert again != stored and _in_stored_order(again, stored.to_json()) == stored
+    grown = make_sweep(["digits"], [0.5, 1.0], ["fedper", "fedprox", "ditto"],
+                       grid={"fedprox:mu": [0.01, 0.1], "lr": [0.01, 0.02], "ditto:lam": [0.1, 1.0]}, options=SMALL)
+    assert _added(stored.to_json(), _in_stored_order(grown, stored.to_json()).to_json()) == "+ methods ditto"
+    other = make_sweep(["digits"], [0.5, 1.0], ["fedper", "fedprox"],
+                       grid={"fedprox:mu": [0.01, 0.5], "lr": [0.01, 0.02]}, options=SMALL)
+    assert _added(stored.to_json(), other.to_json()) == ""      # another grid of an old method: no growth
 
 
 def test_names_are_read_regardless_of_case():
@@ -160,6 +188,10 @@ def test_names_are_read_regardless_of_case():
     (["--methods", "fedavg", "--grid", "lam=0,0.5"], "--grid lam: none of the sweep's methods reads it (an option "
                                                       "of pfedkdh)"),
     (["--methods", "fedprox", "--grid", "mu=0,1"], "(fedprox's own mu: --grid fedprox:mu=V1,V2)"),
+    (["--methods", "fedprox", "--grid", "lr=0.1", "--grid", "lr=0.2"], "--grid lr is given twice: give its values "
+                                                                        "once, comma-separated"),
+    (["--methods", "fedprox", "--method-arg", "fedprox:mu=0.1,0.2"], "--method-arg fedprox:mu=0.1,0.2: one value a "
+                                                                     "sweep; for several, --grid fedprox:mu=0.1,0.2"),
     (["--methods", "pfedkdh", "--grid", "pfedkdh:lam=0,1"], "pfedkdh has no option 'lam' of its own (its options are "
                                                               "run options: --grid lam=V1,V2)"),
 ])

@@ -165,6 +165,12 @@ def _parse_option(key: str, text, kinds: list[str]):
     raise ValueError(f"--method-arg {key}={text!r}: expected {' or '.join(kinds)}")
 
 
+def method_arg_value(method: str, key: str, value):
+    """One ``--method-arg`` value of ``method``'s option ``key``, typed as the option is (text is parsed,
+    a number or bool taken as it is). Raises ValueError (one line) for an unknown key or a bad value."""
+    return parse_method_args(method, [(key, value)])[key]
+
+
 def parse_method_args(method: str, pairs, cfg=None) -> dict[str, Any]:
     """``[(key, text), ...]`` -> typed dict over the method's defaults (checked against the run
     config ``cfg`` too when given). Raises ValueError (one line)."""
@@ -173,7 +179,8 @@ def parse_method_args(method: str, pairs, cfg=None) -> dict[str, Any]:
     for key, text in pairs:
         if key not in spec.args:
             allowed = ", ".join(sorted(spec.args)) or "none"
-            raise ValueError(f"--method-arg {key!r} is not an option of {method} (allowed: {allowed})")
+            hint = f"; this run's method is {method}" if ":" in key else ""
+            raise ValueError(f"--method-arg {key!r} is not an option of {method} (allowed: {allowed}){hint}")
         out[key] = _parse_option(key, text, spec.option_kinds[key])
     fields = {f.name: f for f in spec.config.own_options()}
     for key, value in out.items():

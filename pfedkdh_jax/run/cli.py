@@ -8,6 +8,7 @@ import difflib
 import json
 import os
 import re
+import signal
 import sys
 
 from pfedkdh_jax.run.config import METHODS, PRESETS, ConfigError, RunConfig, make_config
@@ -252,11 +253,24 @@ def main(argv: list[str] | None = None) -> int:
                                      cutoff=0.7)
         command.error(f"unrecognized arguments: {' '.join(extra)}" + (f"; did you mean {near[0]}?" if near else ""))
     _request_devices(args)
+    terminated = []
+
+    def on_terminate(signum, frame):   # a kill or a `timeout`: stop as Ctrl-C does (locks released, one line)
+        terminated.append(signum)
+        raise KeyboardInterrupt
+    try:
+        previous = signal.signal(signal.SIGTERM, on_terminate)
+    except ValueError:   # not the main thread: signals stay as they are
+        previous = None
     try:
         return _command(args)
     except KeyboardInterrupt:   # Ctrl-C: one line on how to continue, not JAX's traceback
-        print(f"\npfedkdh: interrupted; {_ON_INTERRUPT.get(args.command, 'nothing was lost')}", file=sys.stderr)
-        return 130
+        print(f"\npfedkdh: {'terminated' if terminated else 'interrupted'}; "
+              f"{_ON_INTERRUPT.get(args.command, 'nothing was lost')}", file=sys.stderr)
+        return 143 if terminated else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 # what a Ctrl-C leaves and how to go on, per command (a run's line is set once its directory is known)
@@ -327,11 +341,14 @@ def _sweep(args) -> int:
             alphas = [float(a) for a in alphas]
         except ValueError:
             raise ConfigError(f"--alphas must be comma-separated numbers; got {args.alphas!r}") from None
-        grid = dict(axes.get("grid", {}))
+        grid, flagged = dict(axes.get("grid", {})), set()
         for item in args.grid or []:
             if "=" not in item:
                 raise ConfigError(f"--grid must be OPTION=V1,V2,...; got {item!r}")
             key, values = item.split("=", 1)
+            if key.lower().replace("-", "_") in flagged:
+                raise ConfigError(f"--grid {key} is given twice: give its values once, comma-separated")
+            flagged.add(key.lower().replace("-", "_"))
             if ":" in key:   # METHOD:KEY, a method's own option: its values stay text, as --method-arg's
                 grid[key] = _split(values, f"--grid {key}")
                 continue
@@ -348,6 +365,8 @@ def _sweep(args) -> int:
             if ":" not in item or "=" not in item.split(":", 1)[1]:
                 raise ConfigError(f"--method-arg must be METHOD:KEY=VALUE in a sweep; got {item!r}")
             m, pair = item.split(":", 1)
+            if "," in pair.split("=", 1)[1]:
+                raise ConfigError(f"--method-arg {item}: one value a sweep; for several, --grid {item}")
             margs.setdefault(m, []).append(tuple(pair.split("=", 1)))
         from pfedkdh_jax.run.sweep import make_sweep, run_sweep
         sweep = make_sweep(datasets, alphas, methods,

@@ -178,6 +178,11 @@ def make_config(preset_name: str = "default", **overrides) -> RunConfig:
         overrides["method"] = canonical_name(overrides["method"], METHODS)
     if "dataset" in overrides:
         overrides["dataset"] = canonical_name(overrides["dataset"], dataset_names())
+    if overrides.get("method_args"):   # fedprox:mu=... in a fedprox run: the sweep's form, read as mu=...
+        method = overrides.get("method", RunConfig.method)
+        overrides["method_args"] = tuple(
+            (k.split(":", 1)[1], v) if ":" in k and canonical_name(k.split(":", 1)[0], METHODS) == method else (k, v)
+            for k, v in overrides["method_args"])
     dataset = overrides.get("dataset", RunConfig.dataset)
     values = preset(preset_name, dataset)
     values.update({k: v for k, v in overrides.items() if v is not None})
@@ -211,8 +216,8 @@ def _load_plugins(names) -> None:
 
 
 # the datasets' other common spellings (difflib would take "fmnist" for "mnist")
-_DATASET_ALIASES = {"fmnist": "fashion_mnist", "fashionmnist": "fashion_mnist", "fashion-mnist": "fashion_mnist",
-                    "cifar-10": "cifar10", "cifar-100": "cifar100"}
+# common names of datasets, as _bare writes them
+_DATASET_ALIASES = {"fmnist": "fashion_mnist", "fashionmnist": "fashion_mnist"}
 
 
 def canonical_name(value, names):
@@ -221,18 +226,23 @@ def canonical_name(value, names):
     exact match, an ambiguous one, or no match: :func:`validate` then names the nearest)."""
     if not isinstance(value, str) or value in names:
         return value
-    alias = _DATASET_ALIASES.get(value.lower())
+    alias = _DATASET_ALIASES.get(_bare(value))
     if alias in names:
         return alias
-    same = [n for n in names if n.lower() == value.lower()]
+    same = [n for n in names if _bare(n) == _bare(value)]
     return same[0] if len(same) == 1 else value
+
+
+def _bare(name: str) -> str:
+    """A name without case, '-' or '_' (``Fed-Avg`` and ``fedavg``, ``fashion-mnist`` and ``fashion_mnist``)."""
+    return name.lower().replace("-", "").replace("_", "")
 
 
 def _nearest(value, names) -> str:
     """``; did you mean 'x'?`` for the name closest to a mistyped ``value`` (case ignored), else ``""``."""
     if not isinstance(value, str):
         return ""
-    alias = _DATASET_ALIASES.get(value.lower())
+    alias = _DATASET_ALIASES.get(_bare(value))
     if alias in names:
         return f"; did you mean {alias!r}?"
     lower = {n.lower(): n for n in names}
@@ -252,7 +262,7 @@ def _check_method_options(cfg: RunConfig) -> None:
         if getattr(cfg, name) != getattr(defaults, name) and name not in METHODS[cfg.method].run_options:
             users = ", ".join(m for m, spec in METHODS.items() if name in spec.run_options)
             flag = "--average-heads" if name == "persistent_heads" else "--" + name.replace("_", "-")
-            own = (f" (its own {name}: --method-arg {name}={getattr(cfg, name)})"
+            own = (f" (its own {name}: --method-arg {cfg.method}:{name}={getattr(cfg, name)}, in a run or a sweep)"
                    if name in METHODS[cfg.method].args else "")
             raise ConfigError(f"{flag} is an option of {users}; --method {cfg.method} does not use it{own}")
 

@@ -52,16 +52,27 @@ def table(runs: list[dict]) -> str:
     head = ("| run | method | dataset | α | final macro acc. (%) | best macro acc. (%) | final EA (%) | "
             "s/round | rounds |")
     lines = [head, "|" + "---|" * 9]
-    for r in runs:
+    names = _names([r["dir"] for r in runs])
+    for r, name in zip(runs, names):
         c, s = r["config"], r["summary"]
         spr = s.get("seconds_per_round")
-        name = os.path.basename(os.path.normpath(r["dir"]))
         if (c.get("validation_fraction") or 0) > 0:   # not test accuracies: say so on the row
             name += " (validation split)"
-        lines.append(f"| {name} | {c.get('method')} | {c.get('dataset')} | "
+        method = " ".join([str(c.get("method"))] + [f"{k}={v}" for k, v in c.get("method_args") or []])
+        lines.append(f"| {name} | {method} | {c.get('dataset')} | "
                      f"{c.get('alpha')} | {_pm(s, KEY)} | {_pm(s, 'best_' + KEY)} | {_pm(s, KEY + '_ea')} | "
                      f"{'–' if spr is None else f'{spr:.2f}'} | {s.get('rounds_completed', len(r['rows']))} |")
     return "\n".join(lines)
+
+
+def _names(dirs: list[str]) -> list[str]:
+    """Each run directory by its last path part, or by as many parts as tell it from the others."""
+    parts = [os.path.normpath(os.path.abspath(d)).split(os.sep) for d in dirs]
+    for depth in range(1, max(map(len, parts)) + 1):
+        names = [os.path.join(*p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return names
 
 
 def comparison_figure(runs: list[dict], path: str, title: str = "") -> None:
@@ -70,15 +81,15 @@ def comparison_figure(runs: list[dict], path: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for r in runs:
+    for r, name in zip(runs, _names([r["dir"] for r in runs])):
         pts = [(row["round"], row[KEY], row.get(f"{KEY}_std", 0.0)) for row in r["rows"] if KEY in row]
         if not pts:
             continue
         xs = [p[0] for p in pts]
         ys = [100 * p[1] for p in pts]
         sd = [100 * p[2] for p in pts]
-        label = r.get("label") or f"{r['config'].get('method')} ({os.path.basename(os.path.normpath(r['dir']))})"
-        ax.plot(xs, ys, label=label)
+        label = r.get("label") or f"{r['config'].get('method')} ({name})"
+        ax.plot(xs, ys, marker="o" if len(xs) < 25 else None, ms=3, label=label)   # (one evaluation: a dot)
         if any(sd):
             ax.fill_between(xs, [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)], alpha=0.2)
     ax.set_xlabel("round")

@@ -51,7 +51,7 @@ import os
 import shutil
 from typing import Any, Callable
 
-from pfedkdh_jax.algorithms import METHODS
+from pfedkdh_jax.algorithms import METHODS, method_arg_value
 from pfedkdh_jax.data.sources import check_available, dataset_names
 from pfedkdh_jax.run.config import ConfigError, RunConfig, canonical_name, make_config, plugins
 
@@ -91,16 +91,25 @@ def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", 
         options["plugins"] = plugins(options["plugins"])
     methods = [canonical_name(m, METHODS) for m in methods]   # FedAvg as fedavg, fmnist as fashion_mnist
     datasets = [canonical_name(d, dataset_names()) for d in datasets]
-    method_args = {canonical_name(m, METHODS): pairs for m, pairs in (method_args or {}).items()}
+    merged: dict[str, list] = {}   # FedProx:... and fedprox:... are one method's
+    for m, pairs in (method_args or {}).items():
+        merged.setdefault(canonical_name(m, METHODS), []).extend(tuple(p) for p in pairs)
+    method_args = merged
     for key in options:
         if key in _AXES:
             raise ConfigError(f"{key!r} is an axis of the sweep (--{key}s / --seeds), not a run option")
         if key not in RunConfig.__dataclass_fields__:
             raise ConfigError(f"{key!r} is not a run option")
-    grid = {_own_key(k): v for k, v in (grid or {}).items()}
+    named, grid = grid or {}, {}
+    for k, values in named.items():
+        if _own_key(k) in grid:
+            raise ConfigError(f"--grid {k}: given twice (as {next(g for g in named if _own_key(g) == _own_key(k))})")
+        grid[_own_key(k)] = values
     for key, values in grid.items():
         if ":" in key:   # METHOD:KEY, a method's own option (its --method-arg), one method's points only
             m, own = key.split(":", 1)
+            if not m or not own:
+                raise ConfigError(f"--grid {key}: name the method and its option, METHOD:KEY=V1,V2")
             if m not in methods:
                 raise ConfigError(f"--grid {key}: {m} is not one of the sweep's --methods")
             spec = METHODS.get(m)
@@ -110,6 +119,11 @@ def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", 
                                      f" (its options are run options: --grid {own}=V1,V2)"))
             if any(k == own for k, _ in (method_args.get(m) or ())):
                 raise ConfigError(f"--grid {key} and --method-arg {m}:{own}=...: give one of them")
+            if spec is not None:   # typed as the option is: 0.1 and 0.10 are one value
+                try:
+                    grid[key] = values = [method_arg_value(m, own, v) for v in values]
+                except ValueError as e:
+                    raise ConfigError(f"--grid {key}: {e}") from None
             listed(f"grid {key}", values)
             continue
         if key in _AXES or key not in RunConfig.__dataclass_fields__:
@@ -199,17 +213,37 @@ _GROWING = ("datasets", "alphas", "methods")
 
 def _added(old: dict, new: dict) -> str:
     """What ``new`` (a sweep.json) adds to ``old`` when it only grows it — more datasets, α values or
-    methods, every other field (seeds, grid, preset, options, the old methods' own args) the same —
-    as text (``"+ methods fedavg"``); ``""`` otherwise."""
-    if any(old.get(k) != new.get(k) for k in set(old) | set(new) if k not in _GROWING + ("method_args",)):
+    methods (with their own args and ``METHOD:KEY`` grids), every other field (seeds, grid, preset,
+    options, the old methods' own args) the same — as text (``"+ methods fedavg"``); ``""`` otherwise."""
+    if any(old.get(k) != new.get(k) for k in set(old) | set(new) if k not in _GROWING + ("method_args", "grid")):
         return ""
     if any(not set(old.get(k, ())) <= set(new.get(k, ())) for k in _GROWING):
         return ""
     old_args, new_args = (dict(map(tuple, spec.get("method_args") or [])) for spec in (old, new))
     if any(new_args.get(m) != old_args.get(m) for m in old.get("methods", ())):
         return ""
+    old_grid, new_grid = (dict(map(tuple, spec.get("grid") or [])) for spec in (old, new))
+    added_methods = set(new.get("methods", ())) - set(old.get("methods", ()))
+    if any(new_grid.get(k) != v for k, v in old_grid.items()) or any(
+            ":" not in k or k.split(":", 1)[0] not in added_methods for k in set(new_grid) - set(old_grid)):
+        return ""
     return ", ".join(f"+ {k} {','.join(map(str, [v for v in new[k] if v not in old[k]]))}" for k in _GROWING
                      if set(new[k]) - set(old[k]))
+
+
+def _in_stored_order(sweep: Sweep, stored: dict) -> Sweep:
+    """``sweep`` with its datasets, α values, methods and grid (keys and values) in the order a stored
+    sweep.json lists them where it holds the same ones, the new ones after: a grid given in another
+    order is the same grid (its points, their names and the table's order stay the stored ones)."""
+    def ordered(mine, theirs):
+        theirs = [t for t in theirs if t in mine]
+        return tuple(theirs + [m for m in mine if m not in theirs]) if len(theirs) == len(set(theirs)) else mine
+    changes = {k: ordered(getattr(sweep, k), stored.get(k) or []) for k in _GROWING}
+    grid, theirs = dict(sweep.grid), [(k, list(v)) for k, v in stored.get("grid") or []]
+    if all(k in grid for k, _ in theirs):
+        new = [(k, ordered(grid[k], v) if set(grid[k]) == set(v) else grid[k]) for k, v in theirs]
+        changes["grid"] = tuple(new + [(k, v) for k, v in sweep.grid if k not in dict(theirs)])
+    return dataclasses.replace(sweep, **changes)
 
 
 def _spec_value(value) -> str:
@@ -275,6 +309,9 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
                           "report`)")
     # process 0 checks or writes the spec (whole, by a rename); the others read it after the barrier,
     # never while it is being written
+    if os.path.exists(spec_path):   # the stored order where the lists are the same
+        with open(spec_path) as f:
+            sweep = _in_stored_order(sweep, json.load(f))
     if index == 0 and not (os.path.exists(spec_path) and check_spec()):
         write_spec()   # a new sweep, or one grown by datasets, α or methods
     _barrier("pfedkdh-sweep-start", count)
