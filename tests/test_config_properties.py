@@ -5,7 +5,9 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pfedkdh_jax.data import DATASETS
 from pfedkdh_jax.run import cli
+from pfedkdh_jax.run.config import canonical_name
 
 # flag -> strategy of values that must be refused, and the text the error must name
 INVALID = {
@@ -29,11 +31,10 @@ INVALID = {
                                    st.floats(min_value=1, max_value=1e6)), "--train-fraction"),
     "--aux-size": (st.one_of(st.integers(max_value=0), st.integers(min_value=1797, max_value=10 ** 6)),
                    "--aux-size"),
-    "--dataset": (st.text(min_size=1, max_size=12).filter(
-        lambda s: s not in ("digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "synthetic")
-        and not s.startswith("-")),
+    "--dataset": (st.text(min_size=1, max_size=12).filter(   # not a dataset's name in any case or alias
+        lambda s: canonical_name(s, DATASETS) not in DATASETS and not s.startswith("-")),
         "--dataset"),
-    "--method": (st.sampled_from(["fedsgd", "scaffold", "PFEDKDH", "fed avg"]), "--method"),
+    "--method": (st.sampled_from(["fedsgd", "scaffold", "PFEDKDHH", "fed avg"]), "--method"),
     "--client-parallel": (st.sampled_from(["pmap", "vmapped", "seq"]), "--client-parallel"),
     "--chunk-steps": (st.integers(max_value=0), "--chunk-steps"),
     "--clients-per-round": (st.one_of(st.integers(max_value=-1), st.integers(min_value=1000, max_value=10 ** 6)),

@@ -241,7 +241,8 @@ def _in_stored_order(sweep: Sweep, stored: dict) -> Sweep:
     changes = {k: ordered(getattr(sweep, k), stored.get(k) or []) for k in _GROWING}
     grid, theirs = dict(sweep.grid), [(k, list(v)) for k, v in stored.get("grid") or []]
     if all(k in grid for k, _ in theirs):
-        new = [(k, ordered(grid[k], v) if set(grid[k]) == set(v) else grid[k]) for k, v in theirs]
+        same = lambda a, b: len(a) == len(b) and all(x in b for x in a)   # noqa: E731  (values may be lists)
+        new = [(k, ordered(grid[k], v) if same(grid[k], v) else grid[k]) for k, v in theirs]
         changes["grid"] = tuple(new + [(k, v) for k, v in sweep.grid if k not in dict(theirs)])
     return dataclasses.replace(sweep, **changes)
 
