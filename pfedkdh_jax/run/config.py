@@ -221,9 +221,10 @@ _DATASET_ALIASES = {"fmnist": "fashion_mnist", "fashionmnist": "fashion_mnist"}
 
 
 def canonical_name(value, names):
-    """``value`` as one of ``names`` when it names one regardless of case or by a dataset's common
-    alias (``FedAvg`` → ``fedavg``, ``fmnist`` → ``fashion_mnist``); ``value`` unchanged otherwise (an
-    exact match, an ambiguous one, or no match: :func:`validate` then names the nearest)."""
+    """``value`` as one of ``names`` when it names one regardless of case, '-' and '_', or by a
+    dataset's common alias (``FedAvg`` and ``fed-avg`` → ``fedavg``, ``fmnist`` → ``fashion_mnist``);
+    ``value`` unchanged otherwise (an exact match, an ambiguous one, or no match: :func:`validate` then
+    names the nearest)."""
     if not isinstance(value, str) or value in names:
         return value
     alias = _DATASET_ALIASES.get(_bare(value))
