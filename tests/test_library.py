@@ -660,3 +660,24 @@ def test_what_a_methods_round_changes_or_leaves_out_is_named(digits, registry, c
     assert cli._guarded(broken) == 2
     err = capsys.readouterr().err.strip()
     assert err == "pfedkdh: error: RoundRunner.round: X's server step returns metrics without train_loss"
+
+
+def test_a_runner_warns_when_a_configured_warm_up_did_not_run(digits):
+    """pFedKDH's warm-up is configured (``prepares``) but the first round comes before ``prepare``: one
+    warning naming the call; after ``prepare``, or with nothing to prepare, none."""
+    import warnings
+    layout, key = p.Layout("sequential", "unrolled", chunk_steps=2), jax.random.key(0)
+    for warmup, prepare, warned in [(1, False, True), (1, True, False), (0, False, False)]:
+        algo = p.PFedKDH(small_model(), p.PFedKDHConfig(local_epochs=1, batch_size=32, teacher_epochs=1,
+                                                        warmup_epochs=warmup))
+        assert algo.prepares == bool(warmup)
+        runner = p.RoundRunner(algo, digits, layout)
+        state = algo.init(key, digits)
+        if prepare:
+            state = runner.prepare(state, digits, key)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner.round(state, digits, [0, 1], key)
+        assert [str(w.message) for w in caught if "before_training" in str(w.message)] == (
+            ["RoundRunner.round: PFedKDH's before_training is configured but did not run: call "
+             "runner.prepare(state, data, key) once before the first round"] if warned else []), (warmup, prepare)

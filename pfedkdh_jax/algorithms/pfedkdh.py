@@ -118,6 +118,11 @@ class PFedKDH(Algorithm):
                             init_head=jax.tree_util.tree_map(jnp.copy, head),
                             round=jnp.zeros((), jnp.int32))
 
+    @property
+    def prepares(self) -> bool:
+        """The warm-up or the refit at the start is on."""
+        return self.config.warmup_epochs > 0 or self.config.teacher_refit_at_start
+
     def before_training(self, state: PFedKDHState, data: FederatedData, key: jax.Array, train):
         """The optional warm-up (E_w epochs of CE on D_s for (θ_g, φ_g); the heads start from φ_g),
         then the optional refit of φ_g on D_s (head only)."""

@@ -272,6 +272,12 @@ class Algorithm:
         del data, key, train
         return state
 
+    @property
+    def prepares(self) -> bool:
+        """Whether :meth:`before_training` changes the state as configured (a runner whose first round
+        comes before its ``prepare`` warns then). Default: whether the method defines it."""
+        return type(self).before_training is not Algorithm.before_training
+
     # ----------------------------------------------------------------------------- client side
     @property
     def trainer(self) -> LocalTrainer:

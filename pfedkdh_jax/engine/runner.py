@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -578,6 +579,7 @@ class RoundRunner:
         self.traces: collections.Counter = collections.Counter()
         self._fitting: set = set()   # kinds of state and data check_state_clients passed
         self._kept: set = set()      # kinds of state a round was seen to return unchanged
+        self._prepared = False       # whether prepare ran (before_training), for one warning
         if data.stacked and reps != data.runs:
             raise ValueError(f"stacked partitions of {data.runs} runs need reps={data.runs}; got reps={reps}")
         self.stacked = data.stacked
@@ -702,6 +704,9 @@ class RoundRunner:
         self._check_clients(state, data, "RoundRunner.round", kind)
         if kind in self._kept:
             return self._round(state, data, selected, key)
+        if not self._kept and not self._prepared and self.algo.prepares:   # once, at the first round
+            warnings.warn(f"RoundRunner.round: {type(self.algo).__name__}'s before_training is configured but did not "
+                          "run: call runner.prepare(state, data, key) once before the first round", stacklevel=2)
         given = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), state)
         new, metrics = self._round(state, data, selected, key)
         change, name = state_change(given, new), type(self.algo).__name__
@@ -747,6 +752,7 @@ class RoundRunner:
         partitions, the repetition's :func:`~pfedkdh_jax.data.device.run_slice`); ``algo``: the
         repetition's own (other hyperparameter values), default the runner's."""
         check_state_clients(self.algo, state, data, "RoundRunner.prepare")
+        self._prepared = True
         return (algo or self.algo).before_training(state, data, key, self.train)
 
     def _check_clients(self, state, data: FederatedData, where: str, kind: tuple | None = None) -> None:
