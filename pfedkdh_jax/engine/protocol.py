@@ -265,7 +265,7 @@ class Algorithm:
 
     # ---------------------------------------------------------------------------------- set-up
     def init(self, key: jax.Array, data) -> PyTree:
-        raise NotImplementedError(_missing(self, "init(key, data) -> state"))
+        raise NotImplementedError(_missing(self, "init"))
 
     def before_training(self, state: PyTree, data, key: jax.Array, train: TrainService) -> PyTree:
         """Once, before round 0 (pFedKDH's warm-up on D_s). Default: nothing."""
@@ -281,7 +281,7 @@ class Algorithm:
     # ----------------------------------------------------------------------------- client side
     @property
     def trainer(self) -> LocalTrainer:
-        raise NotImplementedError(_missing(self, "trainer, a property giving the local problem (a LocalTrainer)"))
+        raise NotImplementedError(_missing(self, "trainer"))
 
     def round_start(self, state: PyTree, data, selected: jax.Array) -> PyTree:
         """The server's preparation for the round's clients ``selected [C]``, before any of them starts:
@@ -299,7 +299,7 @@ class Algorithm:
         return None
 
     def client_start(self, state: PyTree, data, client: jax.Array, key: jax.Array) -> LocalState:
-        raise NotImplementedError(_missing(self, "client_start(state, data, k, key) -> LocalState"))
+        raise NotImplementedError(_missing(self, "client_start"))
 
     def local_samples(self, n: int) -> int:
         """How many samples a client with ``n`` train samples visits per epoch (static step counts);
@@ -338,12 +338,11 @@ class Algorithm:
                                 rest: ClientUpdate, key: jax.Array) -> tuple[PyTree, dict]:
         """The server step of a method that splits its uploads: ``mean`` (no client axis) is the
         sample-weighted mean of the averaged parts, ``rest`` the stacked rests ``[C, ...]``."""
-        raise NotImplementedError(_missing(self, "server_update_from_mean(state, data, selected, mean, rest, key) "
-                                                 "-> (state, metrics), as it gives mean_upload"))
+        raise NotImplementedError(_missing(self, "server_update_from_mean"))
 
     # ------------------------------------------------------------------------------ evaluation
     def eval_models(self, state: PyTree) -> EvalModels:
-        raise NotImplementedError(_missing(self, "eval_models(state) -> EvalModels"))
+        raise NotImplementedError(_missing(self, "eval_models"))
 
     def messages(self, state: PyTree, update: ClientUpdate) -> tuple[PyTree, PyTree] | None:
         """``(download, upload)``: the pytrees one selected client receives from the server and sends
@@ -457,9 +456,7 @@ def missing_pieces(algo) -> list[str]:
         return []
     def own(name):
         return getattr(cls, name) is not getattr(Algorithm, name)
-    missing = [s for n, s in (("init", "init(key, data) -> state"), ("trainer", "trainer (a LocalTrainer property)"),
-                              ("client_start", "client_start(state, data, k, key) -> LocalState"),
-                              ("eval_models", "eval_models(state) -> EvalModels")) if not own(n)]
+    missing = [_REQUIRED[n] for n in ("init", "trainer", "client_start", "eval_models") if not own(n)]
     if not own("server_update") and not (own("mean_upload") and own("server_update_from_mean")):
         missing.append("server_update(state, data, selected, updates, key) -> (state, metrics), or mean_upload "
                        "with server_update_from_mean")
@@ -479,8 +476,16 @@ def _shape_dtype(x) -> tuple:
     return tuple(np.shape(x)), jnp.result_type(x)
 
 
+# the pieces without a default, as the errors name them
+_REQUIRED = {"init": "init(key, data) -> state", "trainer": "trainer (a LocalTrainer property)",
+             "client_start": "client_start(state, data, k, key) -> LocalState",
+             "eval_models": "eval_models(state) -> EvalModels",
+             "server_update_from_mean": "server_update_from_mean(state, data, selected, mean, rest, key) -> "
+                                        "(state, metrics), as it gives mean_upload"}
+
+
 def _missing(algo: Algorithm, piece: str) -> str:
-    return f"{type(algo).__name__} must define {piece} (a piece of the protocol without a default)"
+    return f"{type(algo).__name__} must define {_REQUIRED[piece]} (a piece of the protocol without a default)"
 
 
 def prepares_rounds(algo: Algorithm) -> bool:

@@ -243,9 +243,9 @@ def _nearest(value, names) -> str:
     """``; did you mean 'x'?`` for the name closest to a mistyped ``value`` (case ignored), else ``""``."""
     if not isinstance(value, str):
         return ""
-    alias = _DATASET_ALIASES.get(_bare(value))
-    if alias in names:
-        return f"; did you mean {alias!r}?"
+    named = canonical_name(value, names)   # a case, separator or alias variant (given to validate directly)
+    if named != value:
+        return f"; did you mean {named!r}?"
     lower = {n.lower(): n for n in names}
     near = difflib.get_close_matches(value.lower(), list(lower), n=1, cutoff=0.75)
     return f"; did you mean {lower[near[0]]!r}?" if near else ""

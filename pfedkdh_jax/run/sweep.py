@@ -106,8 +106,8 @@ def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", 
             raise ConfigError(f"--grid {k}: given twice (as {next(g for g in named if _own_key(g) == _own_key(k))})")
         grid[_own_key(k)] = values
     for key, values in grid.items():
-        if ":" in key:   # METHOD:KEY, a method's own option (its --method-arg), one method's points only
-            m, own = key.split(":", 1)
+        m, own = _split_key(key)
+        if m is not None:   # METHOD:KEY, a method's own option (its --method-arg), one method's points only
             if not m or not own:
                 raise ConfigError(f"--grid {key}: name the method and its option, METHOD:KEY=V1,V2")
             if m not in methods:
@@ -148,25 +148,28 @@ def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", 
     return sweep
 
 
+def _split_key(key: str) -> tuple[str | None, str]:
+    """A grid key as ``(method, option)``: ``METHOD:KEY`` a method's own option, else ``(None, key)``."""
+    m, colon, own = key.partition(":")
+    return (m, own) if colon else (None, key)
+
+
 def _own_key(key: str) -> str:
     """A grid key ``METHOD:KEY`` with the method's name as registered (``FedProx:mu`` → ``fedprox:mu``)."""
-    if ":" not in key:
-        return key
-    m, own = key.split(":", 1)
-    return f"{canonical_name(m, METHODS)}:{own}"
+    m, own = _split_key(key)
+    return key if m is None else f"{canonical_name(m, METHODS)}:{own}"
 
 
 def _grid_for(sweep: Sweep, method: str) -> list[tuple[str, tuple]]:
     """The grid options ``method`` reads: shared options, the method-only ones it uses, and its own
     (``METHOD:KEY``, named here by ``KEY`` alone)."""
-    return [(k.split(":", 1)[1] if ":" in k else k, v) for k, v in sweep.grid
-            if (k.split(":", 1)[0] == method if ":" in k else
-                k not in _METHOD_FIELDS or k in METHODS[method].run_options)]
+    return [(own, v) for (m, own), v in ((_split_key(k), v) for k, v in sweep.grid)
+            if (m == method if m is not None else own not in _METHOD_FIELDS or own in METHODS[method].run_options)]
 
 
 def _own_options(sweep: Sweep, method: str) -> set[str]:
     """The keys of ``method``'s own options the grid varies."""
-    return {k.split(":", 1)[1] for k, _ in sweep.grid if ":" in k and k.split(":", 1)[0] == method}
+    return {own for m, own in (_split_key(k) for k, _ in sweep.grid) if m == method}
 
 
 def _fmt(v) -> str:
@@ -225,7 +228,7 @@ def _added(old: dict, new: dict) -> str:
     old_grid, new_grid = (dict(map(tuple, spec.get("grid") or [])) for spec in (old, new))
     added_methods = set(new.get("methods", ())) - set(old.get("methods", ()))
     if any(new_grid.get(k) != v for k, v in old_grid.items()) or any(
-            ":" not in k or k.split(":", 1)[0] not in added_methods for k in set(new_grid) - set(old_grid)):
+            _split_key(k)[0] not in added_methods for k in set(new_grid) - set(old_grid)):
         return ""
     return ", ".join(f"+ {k} {','.join(map(str, [v for v in new[k] if v not in old[k]]))}" for k in _GROWING
                      if set(new[k]) - set(old[k]))
