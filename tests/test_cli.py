@@ -205,3 +205,5 @@ def test_help_states_each_default_once_and_every_methods_own_options(capsys):
     assert "(default: None)" not in text and not re.search(r"\(default[ :][^)]*\) \(default", text)
     assert "with --optimizer momentum (default 0.9) --" in text
     assert "fedprox: mu;" in text and "fedrep: head_epochs;" in text
+    assert ("shortened (fedrep: head_epochs=2, fedbabu: finetune_epochs=1, pfedme: inner_steps=2, "
+            "fedfed: feature_rounds=1)") in text

@@ -15,7 +15,8 @@ from pfedkdh_jax.run.sweep import make_sweep, run_sweep, share
 OPTIONS = dict(rounds=2, num_clients=4, aux_size=100, local_epochs=1, checkpoint_every=1, client_devices=1)
 FLAGS = ["sweep", "--datasets", "digits", "--alphas", "0.5,1.0", "--methods", "fedper", "--seeds", "2",
          "--stack", "--rounds", "2", "--clients", "4", "--aux-size", "100", "--local-epochs", "1",
-         "--checkpoint-every", "1", "--client-devices", "1", "--no-progress"]
+         "--checkpoint-every", "1", "--client-devices", "1", "--no-progress",
+         "--conv-form", "lax"]   # the in-process sweep below takes the suite's form (conftest.py)
 
 
 def _free_port() -> int:

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.usefixtures("measured_conv_form_module")
 ROUNDS = 5
 ARGS = ["--preset", "default", "--rounds", str(ROUNDS), "--clients", "6", "--chunk-steps", "4",
         "--ea-every", "2", "--checkpoint-every", "1", "--no-progress"]
+# where a test is not about resuming, XLA's convolution (the suite's form, conftest.py; faster to compile)
+XLA_CONV = ["--conv-form", "lax"]
 ACCURACY_KEYS = ["personalized_macro_accuracy", "personalized_micro_accuracy", "global_macro_accuracy",
                  "personalized_macro_accuracy_ea", "train_loss", "teacher_loss"]
 
@@ -131,7 +133,7 @@ def test_checkpoint_of_another_config_is_refused(tmp_path, reference):
 
 def test_divergence_names_round_and_clients_and_keeps_results(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = cli.main(["run", "--preset", "smoke", "--lr", "10", "--out", str(out), "--no-progress"])
+    rc = cli.main(["run", "--preset", "smoke", "--lr", "10", "--out", str(out), "--no-progress", *XLA_CONV])
     assert rc == 3
     err = capsys.readouterr().err
     assert "round 1" in err and "client(s)" in err
@@ -282,10 +284,10 @@ def test_a_run_directory_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path,
     out = tmp_path / "run"
     out.mkdir()
     (out / "run.lock").write_text(f"{socket.gethostname()} {os.getpid()}")   # a live process holds it
-    rc = cli.main(["run", "--preset", "smoke", "--rounds", "1", "--out", str(out), "--no-progress"])
+    rc = cli.main(["run", "--preset", "smoke", "--rounds", "1", "--out", str(out), "--no-progress", *XLA_CONV])
     err = capsys.readouterr().err
     assert rc == 2 and "is in use by process" in err and err.count("\n") == 1
     assert not (out / "metrics.jsonl").exists()
     (out / "run.lock").write_text(f"{socket.gethostname()} 999999999")       # its process is gone
-    assert cli.main(["run", "--preset", "smoke", "--rounds", "1", "--out", str(out), "--no-progress"]) == 0
+    assert cli.main(["run", "--preset", "smoke", "--rounds", "1", "--out", str(out), "--no-progress", *XLA_CONV]) == 0
     assert not (out / "run.lock").exists() and (out / "summary.json").exists()

@@ -14,7 +14,12 @@ from pfedkdh_jax.run.config import make_config
 NO_SERVER_HEAD = ("fedper", "fedrep", "fedproto", "pfedsim")   # no global_* metrics after 2 rounds
 
 
-@pytest.mark.parametrize("name", list(METHODS))
+# FedFed's two phases compile the longest (about a minute here): with --runslow. Its phases run through the
+# CLI's runner in test_fedfed.py, by name on a user's model in test_library.py, and its smoke values below.
+NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "fedfed" else n for n in METHODS]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_smoke_preset_runs_every_method(name, tmp_path, capsys):
     out = tmp_path / name
     rc = cli.main(["run", "--method", name, "--preset", "smoke", "--out", str(out), "--no-progress"])
@@ -37,4 +42,5 @@ def test_smoke_preset_scales_a_methods_phases_and_explicit_args_win():
     assert dict(make_config("smoke", method="fedfed").method_args)["feature_rounds"] == "1"
     cfg = make_config("smoke", method="fedrep", method_args=(("head_epochs", "3"),))
     assert dict(cfg.method_args) == {"head_epochs": "3"}
+    assert dict(make_config("smoke", method="pfedme").method_args) == {"inner_steps": "2"}
     assert make_config("paper", dataset="mnist", method="fedfed").method_args == ()

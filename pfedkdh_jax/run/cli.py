@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                               + " | ".join(f"{m} = {spec.summary}" for m, spec in METHODS.items()) + ".")
     r.add_argument("--preset", default="default", choices=PRESETS,
                    help="default and paper (the same): method.md Table 1 on the paper's datasets, a demo "
-                        "schedule on digits; smoke: 2 rounds")
+                        "schedule on digits; smoke: 2 rounds, and a method's own phases and inner loops shortened ("
+                        + ", ".join(f"{m}: {k}={v}" for m, spec in METHODS.items() for k, v in spec.smoke.items())
+                        + ")")
     for flag, field, typ, hlp in _FLAGS:
         default = RunConfig.__dataclass_fields__[field].default
         r.add_argument(flag, dest=field, type=typ, default=None,
