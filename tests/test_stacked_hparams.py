@@ -1,4 +1,5 @@
-"""Runs that differ in plain-number hyperparameters (lr; pFedKDH's λ, T, μ) stacked along the
+"""Runs that differ in plain-number hyperparameters (lr; pFedKDH's λ, T, μ; the methods' own, FedProx's
+μ, say) stacked along the
 repetition axis: each repetition's algorithm is rebuilt from its own traced values, so one program
 serves them all, and each run must compute what it computes alone with its values as constants."""
 
@@ -7,11 +8,13 @@ import json
 import os
 
 import jax
+import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pfedkdh_jax import algorithms
+from pfedkdh_jax.adapters import LinenModel
 from pfedkdh_jax.algorithms import common as C
 from pfedkdh_jax.data import make_partition
 from pfedkdh_jax.data.device import build_federated_data
@@ -21,7 +24,7 @@ from pfedkdh_jax.engine.packing import make_packed_round
 from pfedkdh_jax.engine.round import make_round
 from pfedkdh_jax.engine.runner import RoundRunner
 from pfedkdh_jax.run.config import make_config
-from pfedkdh_jax.run.experiment import run, run_stacked, stack_key
+from pfedkdh_jax.run.experiment import _varied, run, run_stacked, stack_key
 from pfedkdh_jax.run.sweep import _stacks, make_sweep, points
 
 from conftest import synthetic_pool
@@ -152,3 +155,84 @@ def test_a_sweep_stacks_the_values_of_a_grid():
     split = make_sweep(["digits"], [0.5], ["pfedkdh"], grid={"local_epochs": (1, 2)}, options={"rounds": 1},
                        stack=True)
     assert sorted(len(g) for g in _stacks(split, points(split, "x"))) == [1, 1]
+
+
+class _Dense(nn.Module):
+    """A dense backbone: the methods' own hyperparameters below are about arithmetic, not convolutions."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.relu(nn.Dense(16)(x.reshape(x.shape[0], -1)))
+
+
+# each method's own traceable options (MethodSpec.traced_args), two values apart in every one
+OWN = {"fedprox": [dict(mu=0.0), dict(mu=0.5)],
+       "ditto": [dict(lam=0.0), dict(lam=2.0)],
+       "fedproto": [dict(lam=0.0), dict(lam=1.5)],
+       "pfedme": [dict(lam=15.0, personal_lr=0.01, beta=1.0), dict(lam=5.0, personal_lr=0.03, beta=0.5)],
+       "fedala": [dict(eta=1.0), dict(eta=0.2)]}
+
+
+def test_every_traceable_option_is_a_method_arg_or_a_run_option():
+    for name, spec in algorithms.METHODS.items():
+        assert set(spec.traced) | set(spec.traced_args) == set(spec.config.TRACEABLE), name
+        assert set(spec.traced_args) <= set(spec.args) and not set(spec.traced) & set(spec.args), name
+    assert {n: set(algorithms.METHODS[n].traced_args) for n in OWN} == {n: set(v[0]) for n, v in OWN.items()}
+
+
+# pFedMe (three options, β's mix) and FedProto (two rounds) by default; the others with --runslow (CI's 20 minutes)
+@pytest.mark.parametrize("name", [n if n in ("pfedme", "fedproto") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in OWN])
+def test_own_options_stacked_as_traced_values_are_each_runs_constants(data, name):
+    """Two repetitions of one vmapped round, each rebuilt from its own traced values of the method's
+    own options (``with_hparams``) = each value's round alone, its values constants in the program."""
+    spec = algorithms.METHODS[name]
+    model = LinenModel(_Dense(), nn.Dense(data.num_classes))
+    base = dict(local_epochs=1, batch_size=16, lr=0.05, **spec.smoke)
+    algos = [spec.algorithm_class()(model, spec.config(**base, **v)) for v in OWN[name]]
+    layout = Layout("vmap", "scan")
+    hp = {f: jnp.asarray([v[f] for v in OWN[name]], jnp.float32) for f in OWN[name][0]}
+    def one(h, state, sel, key):   # a repetition's round, its algorithm rebuilt from its values
+        return make_round(algos[0].with_hparams(h), layout)(state, data, sel, key)[0]
+    stacked_round = jax.jit(jax.vmap(one, in_axes=(0, 0, None, None)))
+    stacked = tree_stack([algos[0].init(jax.random.key(0), data)] * 2)
+    alone = [a.init(jax.random.key(0), data) for a in algos]
+    for t, sel in enumerate(SCHEDULE):   # two rounds: FedProto's first has no prototypes to be near
+        stacked = stacked_round(hp, stacked, jnp.asarray(sel), jax.random.key(t))
+        alone = [jax.jit(make_round(a, layout))(s, data, jnp.asarray(sel), jax.random.key(t))[0]
+                 for a, s in zip(algos, alone)]
+    for r in range(2):
+        close(jax.tree_util.tree_map(lambda x: x[r], stacked), alone[r], 1e-5)
+    moved = [not np.allclose(a, b) for a, b in zip(*(jax.tree_util.tree_leaves(s) for s in alone))]
+    assert any(moved), "the two values train alike: the test would not see a value ignored"
+
+
+def test_a_sweep_stacks_a_grid_of_a_methods_own_option():
+    """``--grid fedprox:mu=... --stack``: FedProx's μ points are one group (their method_args differ only
+    in a traced option); a non-traced own option (FedRep's head_epochs) still splits them."""
+    sweep = make_sweep(["digits"], [0.5, 1.0], ["fedprox", "fedrep"], grid={"fedprox:mu": (0.01, 0.1),
+                       "fedrep:head_epochs": (1, 2)}, options={"rounds": 1}, stack=True)
+    todo = points(sweep, "x")
+    sizes = sorted((cfg.method, len(g)) for g in _stacks(sweep, todo) for cfg in [g[0][1]])
+    assert sizes == [("fedprox", 4), ("fedrep", 2), ("fedrep", 2)]
+    prox = [cfg for _, cfg in todo if cfg.method == "fedprox"]
+    assert stack_key(prox[0]) == stack_key(prox[-1]) and stack_key(prox[0])["method_args"] == ()
+    assert list(_varied(prox)) == ["mu"] and sorted(_varied(prox)["mu"]) == [0.01, 0.01, 0.1, 0.1]
+
+
+def test_run_stacked_runs_other_values_of_an_own_option_as_their_solo_runs(tmp_path):
+    """FedProx μ = 0 and μ = 1 (``--method-arg``) as one stacked run: the μ = 1 directory holds its solo
+    run's numbers, and the μ = 0 run trained otherwise."""
+    base = dict(dataset="digits", rounds=1, num_clients=4, aux_size=100, local_epochs=1, checkpoint_every=0,
+                reps_mode="vmap", method="fedprox", chunk_steps=4)
+    cfgs = [make_config("default", **base, method_args={"mu": mu}, out=str(tmp_path / f"mu{mu}"))
+            for mu in (0.0, 1.0)]
+    run_stacked(cfgs, progress=False, log=lambda m: None)
+    c = cfgs[1]
+    solo = run(dataclasses.replace(c, out=c.out + "-solo"), progress=False, log=lambda m: None)
+    got, want = _rows(c.out), _rows(solo["out"])
+    for g, w in zip(got, want, strict=True):
+        for key, value in w.items():
+            if isinstance(value, float) and "seconds" not in key:
+                assert abs(g[key] - value) <= 1e-5 * max(1.0, abs(value)), (key, g[key], value)
+    assert _rows(cfgs[0].out)[-1]["train_loss"] != got[-1]["train_loss"]

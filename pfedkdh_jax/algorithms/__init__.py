@@ -82,9 +82,16 @@ class MethodSpec:
     @property
     def traced(self) -> tuple[str, ...]:
         """RunConfig fields that stacked runs may differ in: the config's ``TRACEABLE`` less the method's
-        own ``--method-arg`` options (one value a run or sweep; traced in Python with ``with_hparams``)."""
+        own ``--method-arg`` options (those are :attr:`traced_args`)."""
         own = self.args
         return tuple(f for f in self.config.TRACEABLE if f not in own)
+
+    @property
+    def traced_args(self) -> tuple[str, ...]:
+        """The method's own ``--method-arg`` options that stacked runs may differ in (its config's
+        ``TRACEABLE`` ones: FedProx's ``mu``, say)."""
+        own = self.args
+        return tuple(f for f in self.config.TRACEABLE if f in own)
 
     @property
     def smoke(self) -> dict[str, Any]:

@@ -9,8 +9,10 @@ failure in its own terms, ``--method-arg mu must be >= 0 for fedprox``). Class-l
 
 * ``TRACEABLE``: the fields :meth:`~pfedkdh_jax.engine.protocol.Algorithm.with_hparams` may replace by
   traced scalars: plain numbers the method reads only in arithmetic (a method of one's own may list
-  its own fields). Stacked runs and sweeps vary those of them that are run options (``lr``; pFedKDH's
-  ``lam``, ``temperature``, ``mu``); a ``--method-arg`` option is one value a run;
+  its own fields). Stacked runs and sweeps vary them in one program, the run options (``lr``;
+  pFedKDH's ``lam``, ``temperature``, ``mu``) and the ``--method-arg`` options listed here alike
+  (FedProx's ``mu``, Ditto's and FedProto's ``lam``, pFedMe's ``lam``, ``personal_lr`` and ``beta``,
+  FedALA's ``eta``: ``pfedkdh sweep --stack --grid fedprox:mu=0.01,0.1,1``);
 * ``SMOKE``: the values ``--preset smoke`` gives the method's own phases and inner loops.
 
 The optimizer fields take an optax ``GradientTransformation``, or a function of the learning rate
@@ -173,6 +175,8 @@ class FedProxConfig(LocalConfig):
 
     mu: float = option(1.0, "μ, proximal weight on the full model", non_negative, ">= 0")
 
+    TRACEABLE: ClassVar[tuple[str, ...]] = ("lr", "mu")
+
 
 @dataclasses.dataclass(frozen=True)
 class FedPerConfig(LocalConfig):
@@ -221,6 +225,8 @@ class DittoConfig(LocalConfig):
                                      **_OPT)
     personal_rows: int = _personal_rows()
 
+    TRACEABLE: ClassVar[tuple[str, ...]] = ("lr", "lam")
+
 
 @dataclasses.dataclass(frozen=True)
 class PFedMeConfig(LocalConfig):
@@ -236,6 +242,7 @@ class PFedMeConfig(LocalConfig):
                                      **_OPT)
     personal_rows: int = _personal_rows()
 
+    TRACEABLE: ClassVar[tuple[str, ...]] = ("lr", "lam", "personal_lr", "beta")
     SMOKE: ClassVar[dict[str, Any]] = {"inner_steps": 2}   # a loop still, at 2/5 of the compile
 
 
@@ -250,6 +257,8 @@ class FedProtoConfig(LocalConfig):
     proto_weighting: str = option("count", "count (the paper) or uniform (the authors' code)",
                                   lambda v: v in PROTO_WEIGHTINGS, "count or uniform")
 
+    TRACEABLE: ClassVar[tuple[str, ...]] = ("lr", "lam")
+
 
 @dataclasses.dataclass(frozen=True)
 class FedALAConfig(LocalConfig):
@@ -259,6 +268,8 @@ class FedALAConfig(LocalConfig):
     rand_percent: int = option(80, "s, % of local train data used by ALA", lambda v: 0 < v <= 100, "in (0, 100]")
     start_epochs: int = option(20, "ALA epochs the first time a client runs it (then 1)", at_least_one, ">= 1")
     personal_rows: int = _personal_rows()
+
+    TRACEABLE: ClassVar[tuple[str, ...]] = ("lr", "eta")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,7 +136,7 @@ class PFedMe(Algorithm):
         """``w ← (1 − β)·w + β·Σ n_k w_k / Σ n_k``."""
         beta = self.config.beta
         avg = C.weighted_average(uploads, weights)
-        if beta == 1.0:
+        if isinstance(beta, (int, float)) and beta == 1.0:   # (a traced β, stacked runs': the mix below)
             return avg
         return jax.tree_util.tree_map(lambda old, new: (1.0 - beta) * old + beta * new, params, avg)
 

@@ -136,21 +136,37 @@ def _initial_state(algo, runner: PhasedRunner, data, seed: int):
 
 
 # What runs stacked in one program may differ in: their partitions (α, data seed) and directories,
-# and the method's plain-number hyperparameters (MethodSpec.traced: lr, and pFedKDH's λ, T, μ).
+# and the method's plain-number hyperparameters (MethodSpec.traced: lr, and pFedKDH's λ, T, μ; and
+# MethodSpec.traced_args among its --method-arg options: FedProx's μ, say).
 STACKABLE_FIELDS = ("alpha", "data_seed", "out")
 
 
 def stack_key(cfg: RunConfig) -> dict:
-    """The config less :data:`STACKABLE_FIELDS` and the method's traced hyperparameters: runs with
-    equal keys can stack (:func:`run_stacked`)."""
-    free = STACKABLE_FIELDS + algorithms.METHODS[cfg.method].traced
-    return {k: v for k, v in cfg.to_dict().items() if k not in free}
+    """The config less :data:`STACKABLE_FIELDS` and the method's traced hyperparameters (run options
+    and ``--method-arg`` options): runs with equal keys can stack (:func:`run_stacked`)."""
+    spec = algorithms.METHODS[cfg.method]
+    free = STACKABLE_FIELDS + spec.traced
+    key = {k: v for k, v in cfg.to_dict().items() if k not in free}
+    if spec.traced_args and "method_args" in key:
+        key["method_args"] = tuple(kv for kv in key["method_args"] if kv[0] not in spec.traced_args)
+    return key
 
 
-def _varied(cfgs: list[RunConfig]) -> tuple[str, ...]:
-    """The traced hyperparameters in which stacked runs differ."""
-    return tuple(f for f in algorithms.METHODS[cfgs[0].method].traced
-                 if len({getattr(c, f) for c in cfgs}) > 1)
+def _hparam_values(cfg: RunConfig) -> dict:
+    """The values of the method's traced hyperparameters in ``cfg``: run options, then its own options
+    (typed, their defaults where not given)."""
+    spec = algorithms.METHODS[cfg.method]
+    values = {f: getattr(cfg, f) for f in spec.traced}
+    if spec.traced_args:
+        own = algorithms.parse_method_args(cfg.method, cfg.method_args)
+        values.update({f: own[f] for f in spec.traced_args})
+    return values
+
+
+def _varied(cfgs: list[RunConfig]) -> dict[str, list]:
+    """The traced hyperparameters in which stacked runs differ: name -> each run's value."""
+    values = [_hparam_values(c) for c in cfgs]
+    return {f: [v[f] for v in values] for f in values[0] if len({v[f] for v in values}) > 1}
 
 
 def run(cfg: RunConfig, *, progress: bool = True, log=print, return_state: bool = False,
@@ -171,7 +187,8 @@ def run_stacked(cfgs: list[RunConfig], *, progress: bool = True, log=print, retu
                 resume: bool = False) -> list:
     """Runs of one method on several partitions of one pool — other α values or data seeds — and with
     other values of its plain-number hyperparameters (``MethodSpec.traced``: ``lr``, pFedKDH's
-    ``lam``, ``temperature``, ``mu``), each with its own ``out``, as one program: every run's
+    ``lam``, ``temperature``, ``mu``; ``MethodSpec.traced_args``: FedProx's ``--method-arg mu``, say),
+    each with its own ``out``, as one program: every run's
     repetitions are repetitions of one group, vmapped over stacked partitions
     (:func:`~pfedkdh_jax.data.device.stack_partitions`; one shared partition when they do not
     differ) and over each repetition's hyperparameter values (every piece rebuilds the algorithm
@@ -286,7 +303,7 @@ def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
     varied = _varied(cfgs)
     # the algorithm of each run (its own hyperparameter values) and, batched, the values per repetition
     algos = [make_algorithm(c, pool.num_classes, conv_form) for c in cfgs] if varied else [algo] * len(cfgs)
-    hparams = ({f: jnp.asarray([getattr(cfgs[i], f) for i, _ in members], jnp.float32) for f in varied}
+    hparams = ({f: jnp.asarray([run_values[i] for i, _ in members], jnp.float32) for f, run_values in varied.items()}
                if varied and batched else None)
     if len({(c.alpha, c.data_seed) for c in cfgs}) > 1:   # one partition per repetition, padded to one shape
         data = stack_partitions([datas[i] for i, _ in members])
@@ -334,7 +351,7 @@ def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
     if varied and not batched:
         by_values: dict[tuple, PhasedRunner] = {}
         for i, c in enumerate(cfgs):
-            values = tuple(getattr(c, f) for f in varied)
+            values = tuple(run_values[i] for run_values in varied.values())
             if values not in by_values:
                 by_values[values] = (runner if i == 0 else
                                      PhasedRunner(algos[i], runner_data, layout, reps=None, mesh=mesh,
@@ -475,7 +492,8 @@ def _check_stackable(cfgs: list[RunConfig]) -> None:
     for c in cfgs[1:]:
         diff = sorted(k for k, v in stack_key(c).items() if base.get(k) != v)
         if diff:
-            free = STACKABLE_FIELDS + algorithms.METHODS[c.method].traced
+            spec = algorithms.METHODS[c.method]
+            free = STACKABLE_FIELDS + spec.traced + tuple(f"--method-arg {a}" for a in spec.traced_args)
             raise ConfigError(f"stacked runs may differ only in {', '.join(free)}; "
                               f"{c.out} also differs in {', '.join(diff)}")
     outs = [c.out for c in cfgs]

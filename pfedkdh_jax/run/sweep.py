@@ -20,9 +20,10 @@ like any other (``pfedkdh report`` and ``pfedkdh resume`` work on it). The sweep
 
 With ``stack`` (``pfedkdh sweep --stack``) the points that differ only in α and in ``--grid`` values
 of plain-number hyperparameters (``MethodSpec.traced``: ``lr``, pFedKDH's ``lam``, ``temperature``,
-``mu``) run as one program (:func:`~pfedkdh_jax.run.experiment.run_stacked`: their partitions and
-values stacked along the repetition axis, vmapped with ``--reps-mode vmap``; else one after another,
-on one set of compiled functions per value); each keeps its own directory, and its numbers are its
+``mu``; and a method's own ones, ``MethodSpec.traced_args``: ``--grid fedprox:mu=0.01,0.1``) run as
+one program (:func:`~pfedkdh_jax.run.experiment.run_stacked`: their partitions and values stacked
+along the repetition axis, vmapped with ``--reps-mode vmap``; else one after another, on one set of
+compiled functions per value); each keeps its own directory, and its numbers are its
 solo run's up to float rounding. Methods whose shapes depend on the partition (FedFed) run point by
 point, and so do grid values that change shapes or code (epochs, batch size, transfer forms).
 
