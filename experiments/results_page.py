@@ -228,11 +228,12 @@ def why_missing(res: dict) -> str:
     top = sorted(by.items(), key=lambda kv: -kv[1])[:3]
     return (f" **Why:** CPU time. The studies' {len(pts)} unfinished points (Table 2: {len(todo['table2'])} of "
             f"{res['table2']['meta']['points']}; CIFAR-10: {len(todo['cifar10'])} of {res['cifar10']['meta']['points']}) "
-            f"need about {sum(by.values()):.0f} h of training on the 2-core CPU at the cost table's rates ({ROUNDS} rounds "
+            f"need about {sum(by.values()):.1f} h of training on the 2-core CPU at the cost table's rates "
+            f"({ROUNDS} rounds "
             f"a point; FedFed {res['costs']['methods']['fedfed']['phase_a_rounds']} rounds of phase A, then phase B; "
             f"a CIFAR-10 round taken as {cifar_round_factor(res):.2f}× an MNIST round, the median ratio of our rounds in "
             "the side-by-side's windows), "
-            + ", ".join(f"{LABEL.get(m, 'pFedKDH')} {h:.0f} h" for m, h in top)
+            + ", ".join(f"{LABEL.get(m, 'pFedKDH')} {h:.1f} h" for m, h in top)
             + " of it; the study runs only while a session is open.")
 
 
@@ -470,8 +471,9 @@ def section_costs(res: dict) -> list[str]:
     return ["## Cost per round (MNIST α = 0.1, paper preset; 10 of 20 clients a round)",
             f"2-core CPU: {s['cpu']['from']}, `{s['cpu']['command']}`; pFedKDH: {s['cpu_pfedkdh']['from']}; pFedSim: "
             f"{s['cpu_pfedsim']['from']}; FedFed: {s['cpu_fedfed']['from']}, `{s['cpu_fedfed']['command']}`. H200: "
-            f"{s['gpu']['from']}. MB: {s['bytes']['from']}. Study: the median over its finished points (every cell; "
-            "one or two cores, next to other work) and their number.", "",
+            f"{s['gpu']['from']}. MB: {s['bytes']['from']}. Study: the median over the Table 2 study's finished "
+            "points (its "
+            "six MNIST / F-MNIST cells; one or two cores, next to other work) and their number.", "",
             *_table(["method", "s/round, 2-core CPU", "÷ FedPer", "s/round, H200",
                      "s/round, study (points; varied machines, cores and load: no comparison)",
                      "MB down / up per selected client and round"], rows), "",
@@ -497,8 +499,9 @@ def section_gpu(res: dict) -> list[str]:
             f"{g['_source']['what']}. {g['device']}; {g['_source']['software']}; `{g['_source']['command']}`.", "",
             *_table(["figure", "1 repetition (seed 0)", "5 repetitions, one vmapped program (seeds 0–4)", "paper"],
                     [[r["figure"], r["one"], r["five"], r["paper"]] for r in g["rows"]]), "",
-            f"A round is {c['cpu'] / c['gpu']:.0f}× faster than on the 2-core CPU ({c['gpu']:.3f} vs {c['cpu']:.1f} "
-            f"s); the fp32 matmul ran at {g['matmul_tflops']:.1f} TFLOP/s, the paper-preset round at "
+            f"A round is {c['cpu'] / c['gpu']:.0f}× faster than on the 2-core CPU of the same days ({c['gpu']:.3f} vs "
+            f"{c['cpu']:.1f} s, the cost table's; the CPU's round has been made faster since, the GPU's not measured "
+            f"again); the fp32 matmul ran at {g['matmul_tflops']:.1f} TFLOP/s, the paper-preset round at "
             f"{g['times_floor']:.1f}× that floor (small kernels: launch- and latency-bound)."]
 
 
