@@ -505,6 +505,15 @@ def section_gpu(res: dict) -> list[str]:
             f"{g['times_floor']:.1f}× that floor (small kernels: launch- and latency-bound)."]
 
 
+def _ratio_with_range(m: dict) -> str:
+    return f"{m['ratio']}×" + (f" ({m['range']})" if "range" in m else "")
+
+
+def _span(windows: list[dict], key: str) -> str:
+    ratios = sorted(float(w[key]["ratio"]) for w in windows)
+    return f"{ratios[0]:.2f}–{ratios[-1]:.2f}×"
+
+
 def in_brief(res: dict) -> str:
     """One paragraph first on the page: what is filled, whether the paper's ranking and its distillation
     finding hold here, and the latest speed figures (each from the sections below)."""
@@ -515,7 +524,8 @@ def in_brief(res: dict) -> str:
     cols = [c for c in COLUMNS[:6] if ("pfedkdh-lam0.0", c) in res["cells"] and ("fedper", c) in res["cells"]]
     gaps = [res["cells"][("pfedkdh-lam0.0", c)]["value"] - res["cells"][("fedper", c)]["value"] for c in cols]
     theirs = [paper(res, "pfedkdh-lam0.0", c)[0] - paper(res, "fedper", c)[0] for c in cols]
-    last = res["cpu_vs_torch"]["windows"][-1]
+    windows = res["cpu_vs_torch"]["windows"]
+    last = windows[-1]
     g, c = res["gpu"], res["costs"]["methods"]["pfedkdh"]
     return ("**In brief.** "
             f"Table 2: {t2} of {len(ROWS) * 6} cells filled, one seed and one partition each; CIFAR-10 α = 0.05: "
@@ -525,7 +535,9 @@ def in_brief(res: dict) -> str:
                f"points (the paper's pFedKDH − FedPer: {min(theirs):+.2f} to {max(theirs):+.2f}). " if cols else "")
             + f"{distillation_reading(res)}. "
             f"CPU against PyTorch on identical work, the latest window ({last['window']}): ours ÷ PyTorch "
-            f"{last['mnist']['ratio']}× on MNIST, {last['cifar10']['ratio']}× on CIFAR-10. "
+            f"{_ratio_with_range(last['mnist'])} on MNIST, {_ratio_with_range(last['cifar10'])} on CIFAR-10 "
+            f"(the {len(windows) - 1} earlier windows: {_span(windows[:-1], 'mnist')} and "
+            f"{_span(windows[:-1], 'cifar10')}). "
             f"GPU: {g['device'].split(' (')[0]}, {c['gpu']:.3f} s a round ({g['_source']['date']}; no later figure).")
 
 
