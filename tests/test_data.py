@@ -162,7 +162,10 @@ def test_summary_is_json_and_consistent():
     assert s["min_train"] == min(s["train_sizes"]) and s["max_train"] == max(s["train_sizes"])
     assert s["mean_train"] == pytest.approx(np.mean(s["train_sizes"]))
     text = data.format_summary(s)
-    assert len(text.splitlines()) >= 20 and "train" in text
+    assert len(text.splitlines()) == 20 + 3 and "train" in text
+    short = data.format_summary(s, max_clients=6).splitlines()   # 1,000 clients need not print 1,000 lines
+    assert [line.split()[0] for line in short[2:-1]] == ["0", "1", "2", "...", "17", "18", "19"]
+    assert "(14 clients not listed)" in short[5]
 
 
 # ------------------------------------------------------------------------------------------------------- layout

@@ -148,6 +148,7 @@ def test_many_clients_score_each_sample_with_its_own_head_only():
                      "bias": rng.normal(size=(k, 10)).astype(np.float32)}}
     feats = rng.normal(size=(t, d)).astype(np.float32)
     owner = rng.integers(0, k + 1, t)              # k marks padding
+    owner[owner == 7] = k                          # client 7 has no test sample here
     labels = rng.integers(0, 10, t)
     got = jax.jit(scoring.score, static_argnums=(0, 6))(model, feats, labels, owner, heads, None, k)
     safe = np.minimum(owner, k - 1)
@@ -155,7 +156,9 @@ def test_many_clients_score_each_sample_with_its_own_head_only():
     correct = (logits.argmax(-1) == labels) & (owner < k)
     n = np.bincount(owner, minlength=k + 1)[:k]
     per_client = np.bincount(owner, weights=correct, minlength=k + 1)[:k] / np.maximum(n, 1)
+    per_client[n == 0] = np.nan                    # a client without test samples is not scored
     np.testing.assert_allclose(got["personalized_per_client_accuracy"], per_client, atol=1e-6)
+    assert (n == 0).any() and np.isnan(got["personalized_per_client_accuracy"][n == 0]).all()
     assert k > scoring.ALL_HEADS_UP_TO
 
 
@@ -180,6 +183,8 @@ def test_an_evaluation_of_some_clients_scores_them_as_the_full_evaluation_does(t
     for key in keys:
         per = np.asarray(full[key])
         np.testing.assert_allclose(np.asarray(some[key])[chosen], per[chosen], atol=1e-6)
+        others = np.setdiff1d(np.arange(part.num_clients), chosen)
+        assert np.isnan(np.asarray(some[key])[others]).all()   # not scored: NaN, not 0
         macro = key.replace("per_client", "macro")
         assert float(some[macro]) == pytest.approx(per[chosen].mean(), abs=1e-6)
     with pytest.raises(Exception, match="--eval-clients must be between 1 and the 4 clients"):
@@ -207,7 +212,8 @@ def test_every_method_runs_many_small_clients_scoring_some(name, tmp_path, capsy
 
 
 def test_a_synthetic_set_of_many_clients_runs_a_fixed_number_a_round(tmp_path, capsys):
-    """--dataset synthetic of a chosen size, 300 clients, exactly 3 a round (--clients-per-round)."""
+    """--dataset synthetic of a chosen size, 300 clients, exactly 3 a round (--clients-per-round); the
+    10 scored clients (--eval-clients) have an accuracy in the records, the 290 others null (not 0)."""
     import json
 
     from pfedkdh_jax.run import cli
@@ -219,7 +225,13 @@ def test_a_synthetic_set_of_many_clients_runs_a_fixed_number_a_round(tmp_path, c
     assert rc == 0, capsys.readouterr().err
     config = json.loads((out / "config.json").read_text())
     assert config["per_round"] == 3 and config["dataset"] == "synthetic"
-    assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    for acc in (summary["per_client_personalized_accuracy"],
+                json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["global_per_client_accuracy"]):
+        scored = [a for a in acc if a is not None]
+        assert len(acc) == 300 and len(scored) == 10 and all(0 <= a <= 1 for a in scored)
+    assert "clients not listed" in capsys.readouterr().out   # 300 clients: the partition's table is cut short
 
 
 def test_a_round_keeps_its_outputs_when_the_next_round_reuses_the_upload_buffer(tiny):

@@ -341,9 +341,11 @@ def partition_summary(partition: Partition, labels: np.ndarray, num_classes: int
     }
 
 
-def format_summary(summary: dict) -> str:
+def format_summary(summary: dict, max_clients: int | None = 40) -> str:
     """Renders a :func:`partition_summary` as text: a header, one line per client, and a totals line
-    (the scored split named ``validation`` when the summary's ``scored_split`` says so)."""
+    (the scored split named ``validation`` when the summary's ``scored_split`` says so). Above
+    ``max_clients`` clients (None: no limit) the first and last ``max_clients // 2`` are listed and one
+    line counts those left out (a run's summary.json keeps every client under ``partition``)."""
     scored = summary.get("scored_split", "test")
     head = "val" if scored == "validation" else "test"
     lines = [
@@ -352,8 +354,15 @@ def format_summary(summary: dict) -> str:
            if scored == "validation" else ""),
         f"{'client':>6} {'train':>7} {head:>6} {'classes':>7}",
     ]
-    rows = zip(summary["train_sizes"], summary["test_sizes"], summary["classes_per_client"])
-    for k, (train, test, classes) in enumerate(rows):
+    rows = list(zip(summary["train_sizes"], summary["test_sizes"], summary["classes_per_client"]))
+    shown = range(len(rows))
+    if max_clients is not None and len(rows) > max_clients:
+        half = max(1, max_clients // 2)
+        shown = [*range(half), *range(len(rows) - half, len(rows))]
+    for i, k in enumerate(shown):
+        if i and k != shown[i - 1] + 1:
+            lines.append(f"{'...':>6} ({k - shown[i - 1] - 1} clients not listed)")
+        train, test, classes = rows[k]
         lines.append(f"{k:>6} {train:>7} {test:>6} {classes:>7}")
     lines.append(
         f"train sizes: min {summary['min_train']}, max {summary['max_train']}, mean {summary['mean_train']:.1f}; "

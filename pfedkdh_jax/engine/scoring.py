@@ -128,9 +128,12 @@ def _accuracies(logits, labels, owner, valid, k, prefix):
 def accuracies_from_counts(correct: jax.Array, count: jax.Array, prefix: str) -> dict:
     """Macro, micro and per-client accuracy from per-client ``correct`` and ``count`` ``[K]``. The macro
     accuracy averages over the clients holding test samples: every client in a partition (each keeps
-    one at least), the scored subset in an evaluation of some clients (``--eval-clients``)."""
+    one at least), the scored subset in an evaluation of some clients (``--eval-clients``). A client
+    without test samples in the evaluation (not scored) has a per-client accuracy of NaN, not 0 (a
+    run's records write it as null)."""
+    scored = count > 0
     per_client = correct / jnp.maximum(count, 1.0)
-    scored = (count > 0).astype(per_client.dtype)
-    return {f"{prefix}_macro_accuracy": jnp.sum(per_client * scored) / jnp.maximum(jnp.sum(scored), 1.0),
+    macro = jnp.sum(jnp.where(scored, per_client, 0.0)) / jnp.maximum(jnp.sum(scored), 1)
+    return {f"{prefix}_macro_accuracy": macro,
             f"{prefix}_micro_accuracy": jnp.sum(correct) / jnp.maximum(jnp.sum(count), 1.0),
-            f"{prefix}_per_client_accuracy": per_client}
+            f"{prefix}_per_client_accuracy": jnp.where(scored, per_client, jnp.nan)}

@@ -287,6 +287,11 @@ def _partition_runs(cfgs: list[RunConfig], pool, log) -> _Runs:
         runs.parts.append(part)
         runs.summaries.append(part_summary)
         runs.ckpts.append(ck)
+    c = cfgs[0]
+    floor = ", at least 1" if c.participation * c.num_clients < 0.5 else ""
+    log(f"{c.clients_per_round} of {c.num_clients} clients a round ("
+        + ("--clients-per-round)" if c.per_round else
+           f"--participation {c.participation:g} × {c.num_clients} clients, rounded{floor})"))
     return runs
 
 

@@ -25,7 +25,12 @@ def host_arrays(metrics: dict) -> dict[str, np.ndarray]:
 
 
 def plain(arrays: dict) -> dict[str, Any]:
-    return {k: float(v) if np.ndim(v) == 0 else [float(x) for x in np.ravel(v)] for k, v in arrays.items()}
+    """JSON-ready values: scalars as floats, arrays as lists; a per-client accuracy of a client not
+    scored (NaN: no test samples in the evaluation, ``--eval-clients``) as ``None``."""
+    def values(key, v):
+        xs = [float(x) for x in np.ravel(v)]
+        return [None if math.isnan(x) else x for x in xs] if "per_client_accuracy" in key else xs
+    return {k: float(v) if np.ndim(v) == 0 else values(k, v) for k, v in arrays.items()}
 
 
 def combine(rep_rows: list[dict]) -> dict[str, Any]:

@@ -115,8 +115,9 @@ def clients_figure(run: dict, path: str) -> bool:
     import numpy as np
     hist = np.asarray(hist, float)
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 6), dpi=120, sharex=True)
-    a1.bar(range(len(acc)), [100 * a for a in acc])
-    a1.set_ylabel("final accuracy (%)")
+    a1.bar(range(len(acc)), [np.nan if a is None else 100 * a for a in acc])   # None: a client not scored
+    scored = sum(a is not None for a in acc)
+    a1.set_ylabel("final accuracy (%)" + (f", {scored} of {len(acc)} scored" if scored < len(acc) else ""))
     a1.set_title(f"{run['config'].get('method')} on {run['config'].get('dataset')}, α={run['config'].get('alpha')}")
     bottom = np.zeros(hist.shape[0])
     cmap = plt.get_cmap("tab10" if hist.shape[1] <= 10 else "tab20")
