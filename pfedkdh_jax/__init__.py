@@ -23,7 +23,8 @@ _EXPORTS = {
     # data
     "DATASETS": "data", "DataError": "data", "Pool": "data", "Partition": "data", "load_pool": "data",
     "make_partition": "data", "shards_partition": "data", "natural_partition": "data", "pool_from_arrays": "data",
-    "partition_summary": "data", "format_summary": "data", "register_dataset": "data",
+    "partition_summary": "data", "format_summary": "data", "register_dataset": "data", "check_partition": "data",
+    "evaluation_clients": "data", "evaluation_view": "data",
     "FederatedData": "data.device", "build_federated_data": "data.device", "from_arrays": "data.device",
     "gather_inputs": "data.device",
     # models: the protocol, the paper's CNN, adapters of a user's flax modules

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -400,3 +401,27 @@ def test_owner_chunks_fit_the_clients_test_sizes_and_stack_at_the_largest():
         idx, slot = np.asarray(stacked.owned_idx[r]).ravel(), np.asarray(stacked.owned_slot[r])
         for k in range(40):
             assert sorted(idx[slot == k]) == sorted(p.test_idx[k])
+
+
+def test_a_partition_of_ones_own_is_checked_before_anything_runs():
+    """from_arrays(partition=...): a client count that is not the lists', an index outside the arrays, a
+    client without train samples (a round of such clients averaged nothing into NaN models) and test
+    samples among a client's train samples are one line each, in the partition's terms."""
+    from pfedkdh_jax.data import from_arrays
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(60, 4)).astype(np.float32), rng.integers(0, 3, 60)
+    split = lambda lo: (np.arange(lo, lo + 8), np.arange(lo + 8, lo + 10))  # noqa: E731
+    trains, tests = zip(*(split(10 * k) for k in range(5)))
+    good = data.Partition(aux_idx=np.arange(50, 60), train_idx=trains, test_idx=tests, num_clients=5)
+    assert int(from_arrays(x, y, partition=good).train_n.sum()) == 40
+    cases = [
+        (dataclasses.replace(good, num_clients=6), "num_clients is 6 but it holds 5 train_idx and 5 test_idx"),
+        (dataclasses.replace(good, aux_idx=np.array([-1, 55])), "aux_idx holds index -1: indices must be in 0 … 59"),
+        (dataclasses.replace(good, test_idx=(*tests[:4], np.array([60]))), r"test_idx\[4\] holds index 60"),
+        (dataclasses.replace(good, train_idx=(np.zeros(0, np.int64), *trains[1:])), r"client\(s\) 0 hold no train"),
+        (dataclasses.replace(good, test_idx=(np.array([3, 8]), *tests[1:])), "client 0's train_idx and test_idx share 1"),
+        (dataclasses.replace(good, aux_idx=np.array([50.0])), "must hold integer sample indices"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(data.DataError, match=message):
+            from_arrays(x, y, partition=bad)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import importlib
 
-from pfedkdh_jax.data.partition import (Partition, evaluation_clients, evaluation_view, format_summary,
-                                        make_partition, natural_partition,
+from pfedkdh_jax.data.partition import (Partition, check_partition, evaluation_clients, evaluation_view,
+                                        format_summary, make_partition, natural_partition,
                                         padded_index_table, partition_summary, shards_partition,
                                         validation_partition)
 from pfedkdh_jax.data.sources import (DATASETS, DataError, Pool, dataset_names, load_pool, normalize,
@@ -34,7 +34,7 @@ _DEVICE = ("FederatedData", "build_federated_data", "gather_inputs", "from_array
 __all__ = ["DATASETS", "DataError", "Pool", "Partition", "dataset_names", "register_dataset", "load_pool",
            "normalize", "resolve_data_dir",
            "pool_from_arrays", "synthetic_images", "make_partition", "shards_partition", "natural_partition", "validation_partition",
-           "evaluation_clients", "evaluation_view",
+           "evaluation_clients", "evaluation_view", "check_partition",
            "partition_summary", "format_summary",
            "padded_index_table", *_DEVICE]
 

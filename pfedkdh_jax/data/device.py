@@ -244,7 +244,7 @@ def from_arrays(inputs, labels, *, client_ids=None, num_clients: int | None = No
     Wrong shapes or dtypes, labels out of range, empty clients or an impossible partition stop with
     one line (:class:`~pfedkdh_jax.data.sources.DataError`).
     """
-    from pfedkdh_jax.data.partition import make_partition, natural_partition
+    from pfedkdh_jax.data.partition import check_partition, make_partition, natural_partition
     from pfedkdh_jax.data.sources import DataError, pool_from_arrays
 
     pool = pool_from_arrays(inputs, labels, num_classes=num_classes, normalize=normalize)
@@ -265,9 +265,8 @@ def from_arrays(inputs, labels, *, client_ids=None, num_clients: int | None = No
                                    min_client_samples=10 if min_client_samples is None else min_client_samples,
                                    balance_cap=balance_cap, train_fraction=train_fraction, seed=seed,
                                    fill=fill)
-    elif max(int(np.max(a, initial=-1)) for a in (partition.aux_idx, *partition.train_idx, *partition.test_idx)) \
-            >= len(pool.labels):
-        raise DataError(f"the partition indexes samples beyond the {len(pool.labels)} given")
+    else:
+        check_partition(partition, len(pool.labels))
     return build_federated_data(pool, partition, eval_chunk=eval_chunk)
 
 

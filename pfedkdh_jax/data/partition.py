@@ -422,6 +422,38 @@ def evaluation_clients(num_clients: int, count: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng([seed, 2]).choice(num_clients, count, replace=False))
 
 
+def check_partition(part: Partition, num_samples: int) -> None:
+    """Raises :class:`DataError` (one line, in the partition's terms) where ``part`` cannot be trained and
+    scored on a pool of ``num_samples`` samples: a client count that is not its lists', an index that is
+    not an integer in ``0 … num_samples − 1``, a client without train samples (its weight 0 in every
+    average, a round of such clients would average nothing), or a client whose train and test splits
+    share a sample (its test accuracy would score what it trained on). Clients may share samples with
+    each other and with ``aux_idx``, and may hold no test samples (not scored)."""
+    k = part.num_clients
+    if len(part.train_idx) != k or len(part.test_idx) != k:
+        raise DataError(f"partition.num_clients is {k} but it holds {len(part.train_idx)} train_idx and "
+                        f"{len(part.test_idx)} test_idx lists: one of each per client")
+    for name, lists in (("aux_idx", [part.aux_idx]), ("train_idx", part.train_idx), ("test_idx", part.test_idx)):
+        for c, a in enumerate(lists):
+            a = np.asarray(a)
+            where = name if name == "aux_idx" else f"{name}[{c}]"
+            if a.size and not np.issubdtype(a.dtype, np.integer):
+                raise DataError(f"partition.{where} must hold integer sample indices; got {a.dtype}")
+            if a.size and (a.min() < 0 or a.max() >= num_samples):
+                bad = a.min() if a.min() < 0 else a.max()
+                raise DataError(f"partition.{where} holds index {int(bad)}: indices must be in 0 … {num_samples - 1} "
+                                f"(the {num_samples} samples given)")
+    empty = [c for c, t in enumerate(part.train_idx) if len(t) == 0]
+    if empty:
+        raise DataError(f"partition: client(s) {', '.join(map(str, empty[:5]))}{' …' if len(empty) > 5 else ''} hold "
+                        "no train samples; every client needs one (drop them, or renumber the clients)")
+    for c, (tr, te) in enumerate(zip(part.train_idx, part.test_idx)):
+        both = np.intersect1d(tr, te)
+        if both.size:
+            raise DataError(f"partition: client {c}'s train_idx and test_idx share {both.size} sample(s) (e.g. "
+                            f"{int(both[0])}): its test accuracy would score samples it trained on")
+
+
 def evaluation_view(part: Partition, clients) -> Partition:
     """The partition an evaluation of only ``clients`` reads: theirs unchanged, every other client's
     train and test splits empty (client ids, hence per-client state, keep their places). Evaluating
