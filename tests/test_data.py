@@ -202,6 +202,9 @@ def test_digits_pool():
     assert set(np.unique(pool.labels).tolist()) == set(range(10))
     assert pool.num_classes == 10 and pool.is_demo and pool.name == "digits"
     assert pool.images.max() > 200  # scaled from 0..16 to the full 0..255 range
+    assert data.load_pool("Digits").name == "digits"   # names read as --dataset reads them
+    with pytest.raises(DataError, match="unknown dataset 'digitz'"):
+        data.load_pool("digitz")
 
 
 def test_unknown_dataset_names_allowed_values():
@@ -419,7 +422,7 @@ def test_a_partition_of_ones_own_is_checked_before_anything_runs():
         (dataclasses.replace(good, aux_idx=np.array([-1, 55])), "aux_idx holds index -1: indices must be in 0 … 59"),
         (dataclasses.replace(good, test_idx=(*tests[:4], np.array([60]))), r"test_idx\[4\] holds index 60"),
         (dataclasses.replace(good, train_idx=(np.zeros(0, np.int64), *trains[1:])), r"client\(s\) 0 hold no train"),
-        (dataclasses.replace(good, test_idx=(np.array([3, 8]), *tests[1:])), "client 0's train_idx and test_idx share 1"),
+        (dataclasses.replace(good, test_idx=(np.array([3, 8]), *tests[1:])), "client 0's train_idx and test_idx share"),
         (dataclasses.replace(good, aux_idx=np.array([50.0])), "must hold integer sample indices"),
     ]
     for bad, message in cases:

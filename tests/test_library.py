@@ -127,6 +127,7 @@ def test_configs_check_their_fields_in_python_terms():
     # every method by its registered name, over a model of one's own
     prox = p.make_method("fedprox", small_model(), mu=0.1)
     assert type(prox) is p.FedProx and prox.config == p.FedProxConfig(mu=0.1)
+    assert type(p.make_method("Fed-Prox", small_model())) is p.FedProx   # as --method reads it
     with pytest.raises(ValueError, match=r"FedProxConfig has no field 'lam'"):
         p.make_method("fedprox", small_model(), lam=0.5)
     with pytest.raises(ValueError, match=r"no method 'fedsgd'; registered: pfedkdh, fedavg"):

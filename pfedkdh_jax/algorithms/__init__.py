@@ -299,7 +299,10 @@ def make_method(name: str, model, **options):
     ``model`` (any :class:`~pfedkdh_jax.engine.protocol.Model`), its config built from ``options`` (the
     fields of ``<Method>Config``, checked as that class checks them): ``make_method("fedprox", model,
     mu=0.1)`` is ``FedProx(model, FedProxConfig(mu=0.1))``. An unknown name or field is a
-    ``ValueError`` naming it and what is allowed."""
+    ``ValueError`` naming it and what is allowed. The name reads as on the command line, regardless of
+    case, '-' and '_' (``"FedProx"``)."""
+    from pfedkdh_jax.names import canonical_name
+    name = canonical_name(name, METHODS)
     if name not in METHODS:
         raise ValueError(f"make_method: no method {name!r}; registered: {', '.join(METHODS)}")
     spec = METHODS[name]

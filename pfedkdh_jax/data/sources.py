@@ -213,7 +213,8 @@ def load_pool(name: str, data_dir: str | None = None, cache_dir: str | None = No
     """Loads dataset ``name`` as a :class:`Pool` (official train split, then official test split).
 
     Args:
-        name: one of :data:`DATASETS`, or a name given to :func:`register_dataset`.
+        name: one of :data:`DATASETS`, or a name given to :func:`register_dataset` (read regardless of
+            case, "-" and "_", and by an alias: ``"MNIST"``, ``"fmnist"``).
         data_dir: tfds data directory holding the prepared dataset; resolved by :func:`resolve_data_dir`
             and, when still unset, tfds's default directory.  Ignored for ``"digits"`` and ``"synthetic"``.
         cache_dir: where decoded arrays are cached; defaults to ``$PFEDKDH_CACHE_DIR``, else
@@ -226,6 +227,8 @@ def load_pool(name: str, data_dir: str | None = None, cache_dir: str | None = No
         DataError: for an unknown name, or when the dataset is not prepared in ArrayRecord format (the
             message says how to prepare it).
     """
+    from pfedkdh_jax.names import canonical_name
+    name = canonical_name(name, dataset_names())   # "MNIST", "fmnist", "Fashion-MNIST" too
     if name in _REGISTERED:
         return _registered_pool(name)
     if name not in DATASETS:

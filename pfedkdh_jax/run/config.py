@@ -17,6 +17,7 @@ from typing import Any
 from pfedkdh_jax.algorithms import METHODS, PFEDKDH_OPTIONS, load_plugins, parse_method_args
 from pfedkdh_jax.algorithms.configs import OPTIMIZERS, LocalConfig, OptionError, PFedKDHConfig
 from pfedkdh_jax.data.sources import dataset_names, dataset_preset
+from pfedkdh_jax.names import canonical_name
 PRESETS = ("default", "paper", "smoke")
 
 # method.md Table 1: rounds and local epochs per dataset.
@@ -215,28 +216,7 @@ def _load_plugins(names) -> None:
         raise ConfigError(str(e)) from None
 
 
-# the datasets' other common spellings (difflib would take "fmnist" for "mnist")
-# common names of datasets, as _bare writes them
-_DATASET_ALIASES = {"fmnist": "fashion_mnist", "fashionmnist": "fashion_mnist"}
-
-
-def canonical_name(value, names):
-    """``value`` as one of ``names`` when it names one regardless of case, '-' and '_', or by a
-    dataset's common alias (``FedAvg`` and ``fed-avg`` → ``fedavg``, ``fmnist`` → ``fashion_mnist``);
-    ``value`` unchanged otherwise (an exact match, an ambiguous one, or no match: :func:`validate` then
-    names the nearest)."""
-    if not isinstance(value, str) or value in names:
-        return value
-    alias = _DATASET_ALIASES.get(_bare(value))
-    if alias in names:
-        return alias
-    same = [n for n in names if _bare(n) == _bare(value)]
-    return same[0] if len(same) == 1 else value
-
-
-def _bare(name: str) -> str:
-    """A name without case, '-' or '_' (``Fed-Avg`` and ``fedavg``, ``fashion-mnist`` and ``fashion_mnist``)."""
-    return name.lower().replace("-", "").replace("_", "")
+# names read regardless of case, '-' and '_', and by a dataset's alias: pfedkdh_jax.names
 
 
 def _nearest(value, names) -> str:
