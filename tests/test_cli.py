@@ -167,6 +167,11 @@ def test_presets():
     assert make_config("paper", dataset="mnist", rounds=7).rounds == 7
     with pytest.raises(ConfigError, match="--preset"):
         make_config("fast")
+    # Python's names: the field behind a flag of another name, or the nearest field
+    with pytest.raises(ConfigError, match=r"unknown option\(s\): clients; did you mean 'num_clients'\?"):
+        make_config(clients=100)
+    with pytest.raises(ConfigError, match=r"unknown option\(s\): roundz; did you mean 'rounds'\?"):
+        make_config(roundz=3)
 
 
 def test_lanes_run_from_the_cli_where_the_cpu_has_two_devices(tmp_path):

@@ -166,6 +166,10 @@ def preset(name: str, dataset: str) -> dict[str, Any]:
     return values
 
 
+# the command line's flags whose RunConfig field is named otherwise (--clients sets num_clients)
+_FIELD_OF_FLAG = {"clients": "num_clients", "clients_per_round": "per_round"}
+
+
 def make_config(preset_name: str = "default", **overrides) -> RunConfig:
     """``RunConfig`` from a preset (``preset_name``, or ``preset=``) for ``overrides['dataset']`` plus
     explicit overrides (``method_args``: ``((key, text), ...)`` as on the command line, or a dict)."""
@@ -192,9 +196,13 @@ def make_config(preset_name: str = "default", **overrides) -> RunConfig:
         given = {k for k, _ in values.get("method_args", ())}
         values["method_args"] = tuple((k, str(v)) for k, v in METHODS[method].smoke.items()
                                       if k not in given) + tuple(values.get("method_args", ()))
-    unknown = set(values) - {f.name for f in dataclasses.fields(RunConfig)}
+    fields = [f.name for f in dataclasses.fields(RunConfig)]
+    unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        first = unknown[0]
+        near = _FIELD_OF_FLAG.get(first) or next(iter(difflib.get_close_matches(first, fields, n=1)), None)
+        hint = f"; did you mean {near!r}?" if near else ""
+        raise ConfigError(f"unknown option(s): {', '.join(unknown)}{hint} (the options are RunConfig's fields)")
     cfg = RunConfig(**values)
     validate(cfg)
     return cfg
