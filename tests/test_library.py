@@ -459,6 +459,8 @@ def test_float_features_and_a_natural_partition():
     (dict(x=np.zeros((10, 3)), y=np.zeros(9, int), client_ids=np.arange(10) % 2), "one row per sample"),
     (dict(x=np.zeros((10, 3)), y=np.arange(10) % 2, client_ids=np.array([0] * 5 + [2] * 5)), r"client_ids skip id 1.*np.unique"),
     (dict(x=np.zeros((10, 3)), y=np.arange(10) % 2, client_ids=np.array([0] * 9 + [1])), "client 1 holds 1 sample"),
+    (dict(x=np.zeros((12, 3)), y=np.arange(12) % 2, client_ids=np.array([0] * 9 + [1, 2, 3])),
+     r"client 1 holds 1 sample\(s\) \(so do 2 more: 2, 3\)"),
     (dict(x=np.zeros((10, 3)), y=np.arange(10) % 2), "give the clients one way"),
     (dict(x=np.full((10, 3), np.nan), y=np.zeros(10, int), client_ids=np.arange(10) % 2), "non-finite"),
 ])

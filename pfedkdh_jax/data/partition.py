@@ -302,8 +302,10 @@ def natural_partition(client_ids, *, aux_size: int = 0, train_fraction: float = 
     if small.size:
         c = int(small[0])
         after = " after D_s is drawn" if aux_size else ""
-        raise DataError(f"client {c} holds {counts[c]} sample(s){after}; every client id 0..{k - 1} needs "
-                        f">= {min_client_samples} (one train and one test sample at least)")
+        more = (f" (so do {small.size - 1} more: {', '.join(map(str, small[1:6]))}{' …' if small.size > 6 else ''})"
+                if small.size > 1 else "")
+        raise DataError(f"client {c} holds {counts[c]} sample(s){after}{more}; every client id 0..{k - 1} needs "
+                        f">= {min_client_samples} (one train and one test sample at least): drop or merge them")
     order = rest[np.argsort(ids[rest], kind="stable")]
     clients = np.split(order, np.cumsum(counts)[:-1])
     return _split_clients(rng, aux_idx, clients, float(train_fraction))

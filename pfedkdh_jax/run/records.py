@@ -70,7 +70,9 @@ def postfix(row: dict) -> dict:
     short = {"personalized_macro_accuracy": "pers", "global_macro_accuracy": "glob",
              "personalized_macro_accuracy_ea": "ea", "train_loss": "loss"}
     pf = {v: f"{row[k]:.4f}" for k, v in short.items() if k in row}
-    pf["s/round"] = f"{row['seconds']:.1f}"
+    pf["s/round"] = f"{row.get('train_seconds', row['seconds']):.1f}"   # training; an evaluation's apart
+    if row.get("eval_seconds"):
+        pf["s/eval"] = f"{row['eval_seconds']:.1f}"
     return pf
 
 
