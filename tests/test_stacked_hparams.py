@@ -23,7 +23,7 @@ from pfedkdh_jax.engine.local import tree_stack
 from pfedkdh_jax.engine.packing import make_packed_round
 from pfedkdh_jax.engine.round import make_round
 from pfedkdh_jax.engine.runner import RoundRunner
-from pfedkdh_jax.run.config import make_config
+from pfedkdh_jax.run.config import ConfigError, make_config
 from pfedkdh_jax.run.experiment import _varied, run, run_stacked, stack_key
 from pfedkdh_jax.run.sweep import _stacks, make_sweep, points
 
@@ -205,6 +205,20 @@ def test_own_options_stacked_as_traced_values_are_each_runs_constants(data, name
         close(jax.tree_util.tree_map(lambda x: x[r], stacked), alone[r], 1e-5)
     moved = [not np.allclose(a, b) for a, b in zip(*(jax.tree_util.tree_leaves(s) for s in alone))]
     assert any(moved), "the two values train alike: the test would not see a value ignored"
+
+
+def test_a_sweep_scoring_some_clients_stacks_only_points_of_one_partition(tmp_path):
+    """--eval-clients scores one partition's chosen clients: a sweep stacks the grid's points per α, and
+    run_stacked refuses runs of two α before partitioning anything (one line)."""
+    sweep = make_sweep(["digits"], [0.5, 1.0], ["fedper"], grid={"lr": (0.01, 0.02)},
+                       options={"rounds": 1, "eval_clients": 2}, stack=True)
+    groups = _stacks(sweep, points(sweep, "x"))
+    assert sorted(len(g) for g in groups) == [2, 2] and all(len({c.alpha for _, c in g}) == 1 for g in groups)
+    cfgs = [make_config("default", dataset="digits", method="fedper", rounds=1, eval_clients=2, alpha=a,
+                        out=str(tmp_path / f"a{a}")) for a in (0.5, 1.0)]
+    with pytest.raises(ConfigError, match="--eval-clients scores one partition's clients"):
+        run_stacked(cfgs, progress=False, log=lambda m: None)
+    assert not any(os.path.exists(c.out) for c in cfgs)
 
 
 def test_a_sweep_stacks_a_grid_of_a_methods_own_option():

@@ -139,6 +139,7 @@ def _initial_state(algo, runner: PhasedRunner, data, seed: int):
 # and the method's plain-number hyperparameters (MethodSpec.traced: lr, and pFedKDH's λ, T, μ; and
 # MethodSpec.traced_args among its --method-arg options: FedProx's μ, say).
 STACKABLE_FIELDS = ("alpha", "data_seed", "out")
+PARTITION_FIELDS = ("alpha", "data_seed")
 
 
 def stack_key(cfg: RunConfig) -> dict:
@@ -146,6 +147,8 @@ def stack_key(cfg: RunConfig) -> dict:
     and ``--method-arg`` options): runs with equal keys can stack (:func:`run_stacked`)."""
     spec = algorithms.METHODS[cfg.method]
     free = STACKABLE_FIELDS + spec.traced
+    if cfg.eval_clients:   # a scored subset is one partition's: only runs on the same partition stack
+        free = tuple(f for f in free if f not in PARTITION_FIELDS)
     key = {k: v for k, v in cfg.to_dict().items() if k not in free}
     if spec.traced_args and "method_args" in key:
         key["method_args"] = tuple(kv for kv in key["method_args"] if kv[0] not in spec.traced_args)
@@ -317,10 +320,7 @@ def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
         data, member_data = datas[0], [datas[0]] * len(members)
     runner_data = data if batched else member_data[0]
     eval_data = None   # --eval-clients: what evaluations read (the chosen clients' samples only)
-    if cfg.eval_clients:
-        if len(datas) > 1:
-            raise ConfigError("--eval-clients scores one partition's clients: it cannot stack runs of other "
-                              "α or data seeds (run them apart)")
+    if cfg.eval_clients:   # (runs of other partitions do not stack with it: _check_stackable)
         chosen = data_lib.evaluation_clients(cfg.num_clients, cfg.eval_clients, cfg.data_seed)
         eval_data = build_federated_data(pool, data_lib.evaluation_view(runs.parts[0], chosen),
                                          eval_chunk=cfg.eval_chunk)
@@ -496,6 +496,9 @@ def _check_stackable(cfgs: list[RunConfig]) -> None:
     base = stack_key(cfgs[0])
     for c in cfgs[1:]:
         diff = sorted(k for k, v in stack_key(c).items() if base.get(k) != v)
+        if c.eval_clients and set(diff) & set(PARTITION_FIELDS):
+            raise ConfigError("--eval-clients scores one partition's clients: it cannot stack runs of other "
+                              "α or data seeds (run them apart)")
         if diff:
             spec = algorithms.METHODS[c.method]
             free = STACKABLE_FIELDS + spec.traced + tuple(f"--method-arg {a}" for a in spec.traced_args)
