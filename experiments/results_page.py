@@ -535,9 +535,9 @@ def in_brief(res: dict) -> str:
                f"points (the paper's pFedKDH − FedPer: {min(theirs):+.2f} to {max(theirs):+.2f}). " if cols else "")
             + f"{distillation_reading(res)}. "
             f"CPU against PyTorch on identical work, the latest window ({last['window']}): ours ÷ PyTorch "
-            f"{_ratio_with_range(last['mnist'])} on MNIST, {_ratio_with_range(last['cifar10'])} on CIFAR-10 "
-            f"(the {len(windows) - 1} earlier windows: {_span(windows[:-1], 'mnist')} and "
-            f"{_span(windows[:-1], 'cifar10')}). "
+            f"{_ratio_with_range(last['mnist'])} on MNIST, {_ratio_with_range(last['cifar10'])} on CIFAR-10"
+            + (f" (the {len(windows) - 1} earlier windows: {_span(windows[:-1], 'mnist')} and "
+               f"{_span(windows[:-1], 'cifar10')})" if len(windows) > 1 else "") + ". "
             f"GPU: {g['device'].split(' (')[0]}, {c['gpu']:.3f} s a round ({g['_source']['date']}; no later figure).")
 
 

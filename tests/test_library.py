@@ -410,6 +410,10 @@ def test_injected_optimizer_and_a_stackable_learning_rate(digits):
     fixed = p.FedAvg(model, p.FedAvgConfig(optimizer=optax.adam(1e-3)))
     with pytest.raises(ValueError, match="FedAvgConfig.lr cannot take a traced value"):
         jax.jit(lambda lr: fixed.with_hparams({"lr": lr}).config.lr)(0.1)
+    inner = p.PFedMe(model, p.PFedMeConfig(personal_optimizer=optax.adam(1e-3)))   # pFedMe's inner rate alike
+    with pytest.raises(ValueError, match="PFedMeConfig.personal_lr cannot take a traced value: "
+                                         "PFedMeConfig.personal_optimizer is a GradientTransformation"):
+        jax.jit(lambda nu: inner.with_hparams({"personal_lr": nu}).config.lr)(0.1)
     with pytest.raises(ValueError, match="FedAvgConfig.local_epochs cannot take a traced value.*traceable fields: lr"):
         sgd.with_hparams({"local_epochs": 3})
 

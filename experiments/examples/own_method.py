@@ -56,8 +56,8 @@ class FedPerMConfig(p.LocalConfig):
     server_lr: float = p.option(1.0, "the server's step on the clients' mean change", lambda v: v > 0, "> 0")
     momentum: float = p.option(0.9, "the server's momentum (0: none)", lambda v: 0 <= v < 1, "in [0, 1)")
 
-    # fields with_hparams may replace by traced scalars (a vmapped grid over server_lr; runs and sweeps
-    # stack lr only: server_lr, a --method-arg, is one value a run)
+    # fields with_hparams may replace by traced scalars (a vmapped grid over server_lr; a sweep's
+    # --grid fedperm:server_lr=0.5,1 --stack runs its values as one program, as FedProx's mu)
     TRACEABLE: ClassVar[tuple[str, ...]] = ("lr", "server_lr")
 
 

@@ -137,6 +137,7 @@ class LocalConfig:
 
     TRACEABLE: ClassVar[tuple[str, ...]] = ("lr",)
     SMOKE: ClassVar[dict[str, Any]] = {}
+    RATES: ClassVar[dict[str, str]] = {"lr": "optimizer"}   # a learning rate -> the optimizer field it feeds
 
     def __post_init__(self):
         name = type(self).__name__
@@ -153,9 +154,11 @@ class LocalConfig:
                 raise OptionError(name, f.name, kind, value)
             if check is not None and not check(value):
                 raise OptionError(name, f.name, f.metadata["allowed"], value)
-        if _is_traced(self.lr) and self.optimizer is not None and not _is_factory(self.optimizer):
-            raise ValueError(f"{name}.lr cannot take a traced value: {name}.optimizer is a GradientTransformation "
-                             "with its learning rate built in; pass a function lr -> GradientTransformation")
+        for rate, opt in self.RATES.items():   # a traced rate must reach its optimizer
+            optimizer = getattr(self, opt)
+            if _is_traced(getattr(self, rate)) and optimizer is not None and not _is_factory(optimizer):
+                raise ValueError(f"{name}.{rate} cannot take a traced value: {name}.{opt} is a GradientTransformation "
+                                 "with its learning rate built in; pass a function lr -> GradientTransformation")
 
     @classmethod
     def own_options(cls) -> list[dataclasses.Field]:
@@ -243,6 +246,7 @@ class PFedMeConfig(LocalConfig):
     personal_rows: int = _personal_rows()
 
     TRACEABLE: ClassVar[tuple[str, ...]] = ("lr", "lam", "personal_lr", "beta")
+    RATES: ClassVar[dict[str, str]] = {"lr": "optimizer", "personal_lr": "personal_optimizer"}
     SMOKE: ClassVar[dict[str, Any]] = {"inner_steps": 2}   # a loop still, at 2/5 of the compile
 
 

@@ -188,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--no-progress", action="store_true", help="no progress bars")
     sw.add_argument("--stack", action="store_true", default=None,
                     help="run the points that differ only in α and in --grid values of lr (pfedkdh: also lam, "
-                         "temperature, mu) as one program (partitions and values stacked along the repetition "
-                         "axis; vmapped with --reps-mode vmap); not for fedfed")
+                         "temperature, mu; a method's own fedprox:mu, ditto:lam, fedproto:lam, pfedme:lam / "
+                         "personal_lr / beta, fedala:eta) as one program (partitions and values stacked along the "
+                         "repetition axis; vmapped with --reps-mode vmap); with --eval-clients, per α; not for fedfed")
     sw.add_argument("--order", default="table", choices=("table", "methods"),
                     help="the order the points run in: table (cell by cell, the methods as listed) or methods "
                          "(each method over every cell, in the order of --methods: list the cheapest first and "

@@ -291,7 +291,7 @@ def _partition_runs(cfgs: list[RunConfig], pool, log) -> _Runs:
         runs.summaries.append(part_summary)
         runs.ckpts.append(ck)
     c = cfgs[0]
-    floor = ", at least 1" if c.participation * c.num_clients < 0.5 else ""
+    floor = ", at least 1" if int(round(c.participation * c.num_clients)) == 0 else ""
     log(f"{c.clients_per_round} of {c.num_clients} clients a round ("
         + ("--clients-per-round)" if c.per_round else
            f"--participation {c.participation:g} × {c.num_clients} clients, rounded{floor})"))

@@ -25,7 +25,8 @@ one program (:func:`~pfedkdh_jax.run.experiment.run_stacked`: their partitions a
 along the repetition axis, vmapped with ``--reps-mode vmap``; else one after another, on one set of
 compiled functions per value); each keeps its own directory, and its numbers are its
 solo run's up to float rounding. Methods whose shapes depend on the partition (FedFed) run point by
-point, and so do grid values that change shapes or code (epochs, batch size, transfer forms).
+point, and so do grid values that change shapes or code (epochs, batch size, transfer forms); with
+``eval_clients`` (a scored subset is one partition's) only the points of one α and data seed stack.
 
 Under ``jax.distributed`` (``pfedkdh sweep --coordinator HOST:PORT --num-processes N --process-id I``,
 one command per process, the sweep directory on a file system they share) the processes split the
@@ -71,7 +72,7 @@ class Sweep:
     preset: str = "default"
     options: tuple[tuple[str, Any], ...] = ()        # other run options, shared by every point
     method_args: tuple[tuple[str, tuple], ...] = ()  # ((method, ((key, text), ...)), ...)
-    stack: bool = False                              # points differing only in α and traced grid values: one program
+    stack: bool = False                              # points differing only in α and traced values: one program
 
     def to_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
