@@ -60,8 +60,8 @@ def test_smoke_run_writes_the_run_directory(tmp_path, capsys, measured_conv_form
     (["--client-devices", "0"], "--client-devices"),
     (["--preset", "smoke", "--client-devices", "3"], "--client-devices"),   # this process has 1 device
 ])
-def test_bad_input_is_one_clear_line(args, option, capsys):
-    rc = cli.main(["run", "--no-progress", "--out", "unused", *args])
+def test_bad_input_is_one_clear_line(args, option, capsys, tmp_path):
+    rc = cli.main(["run", "--no-progress", "--out", str(tmp_path / "unused"), *args])   # (a lock may be taken)
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pfedkdh: error:") and option in err
@@ -69,8 +69,8 @@ def test_bad_input_is_one_clear_line(args, option, capsys):
 
 @pytest.mark.parametrize("flag", ["--lr", "--alpha", "--mu", "--lam"])
 @pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
-def test_non_finite_numbers_are_rejected(flag, value, capsys):
-    rc = cli.main(["run", "--no-progress", "--out", "unused", f"{flag}={value}"])
+def test_non_finite_numbers_are_rejected(flag, value, capsys, tmp_path):
+    rc = cli.main(["run", "--no-progress", "--out", str(tmp_path / "unused"), f"{flag}={value}"])
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pfedkdh: error:") and flag in err and "finite" in err

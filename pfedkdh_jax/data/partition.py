@@ -212,7 +212,7 @@ def make_partition(labels, *, num_clients: int, alpha: float, aux_size: int, min
     if clients is None:
         raise DataError(
             f"no partition gave every client >= min_client_samples={min_client_samples} samples in "
-            f"max_redraws={max_redraws} draws (smallest client: {smallest}); lower min_client_samples, "
+            f"{max_redraws} draws (smallest client: {smallest}); lower min_client_samples, "
             "raise alpha, use fewer clients or fill='top_up' (draw once, top small clients up from the largest)"
         )
 
