@@ -291,3 +291,4 @@ def test_a_run_directory_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path,
     (out / "run.lock").write_text(f"{socket.gethostname()} 999999999")       # its process is gone
     assert cli.main(["run", "--preset", "smoke", "--rounds", "1", "--out", str(out), "--no-progress", *XLA_CONV]) == 0
     assert not (out / "run.lock").exists() and (out / "summary.json").exists()
+    assert '"seconds_per_round_includes_compile": true' in capsys.readouterr().out   # one round: compiling
