@@ -45,6 +45,8 @@ def test_smoke_run_writes_the_run_directory(tmp_path, capsys, measured_conv_form
     (["--clients", "1"], "--clients"),
     (["--participation", "1.5"], "--participation"),
     (["--participation", "0"], "--participation"),
+    (["--participation", "0.3", "--clients-per-round", "4"],
+     "give --participation (0.3) or --clients-per-round (4), not both"),
     (["--batch-size", "0"], "--batch-size"),
     (["--lam", "2"], "--lam"),
     (["--kd-target", "everything"], "--kd-target"),

@@ -292,6 +292,7 @@ def _command(args) -> int:
     values = {k: tuple(v) if k == "plugins" else v for k, v in vars(args).items()
               if k in RunConfig.__dataclass_fields__ and v is not None}
     try:
+        _one_count_of_clients(args)
         if args.config:
             values = {**load_config_file(args.config, smoke=args.preset == "smoke"), **values}
         if args.method_args:
@@ -330,6 +331,7 @@ def _sweep(args) -> int:
     import time
 
     try:
+        _one_count_of_clients(args)
         spec = load_config_file(args.config, smoke=args.preset == "smoke") if args.config else {}
         spec = {k: spec[k] for k in spec}
         axes = {k: spec.pop(k) for k in ("datasets", "alphas", "methods", "seeds", "grid", "preset",
@@ -407,6 +409,13 @@ def _in_flags(message: str) -> str:
             first = re.sub(rf"\b{field}=(['\"]?)([^\s'\",;)]+)\1", rf"{flag} \2", first)
             first = re.sub(rf"(?<![-\w]){field}\b", flag, first)
     return first + nl + rest
+
+
+def _one_count_of_clients(args) -> None:
+    """--participation and --clients-per-round both given: one would be ignored (the count wins), so neither is."""
+    if args.participation is not None and args.per_round:
+        raise ConfigError(f"give --participation ({args.participation:g}) or --clients-per-round ({args.per_round}), "
+                          "not both: the count would win")
 
 
 def _error(e: Exception) -> int:
