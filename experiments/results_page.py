@@ -482,11 +482,17 @@ def section_costs(res: dict) -> list[str]:
             f"(CPU), {c['pfedkdh']['gpu'] / c['fedper']['gpu']:.2f}× (H200)."]
 
 
+def _ratio_with_range(m: dict, bold: bool = False) -> str:
+    """A side-by-side window's ratio (ours ÷ PyTorch), with its turns' range where it has one."""
+    ratio = f"{m['ratio']}×"
+    return (f"**{ratio}**" if bold else ratio) + (f" ({m['range']})" if "range" in m else "")
+
+
 def section_cpu(res: dict) -> list[str]:
     d = res["cpu_vs_torch"]
-    ratio = lambda m: f"**{m['ratio']}×**" + (f" ({m['range']})" if "range" in m else "")  # noqa: E731
     rows = [[w["window"]] + [x for k in ("mnist", "cifar10") for x in (f"{w[k]['torch']:.1f} / {w[k]['jax']:.1f}",
-                                                                       ratio(w[k]))] for w in d["windows"]]
+                                                                       _ratio_with_range(w[k], bold=True))]
+            for w in d["windows"]]
     return ["## CPU speed against PyTorch (side by side, identical work)",
             f"{d['_source']['what']}. {d['_source']['from']}; `{d['_source']['command']}`.", "",
             *_table(["window", "MNIST: PyTorch / ours, s", "ours ÷ PyTorch", "CIFAR-10: PyTorch / ours, s",
@@ -503,10 +509,6 @@ def section_gpu(res: dict) -> list[str]:
             f"{c['cpu']:.1f} s, the cost table's; the CPU's round has been made faster since, the GPU's not measured "
             f"again); the fp32 matmul ran at {g['matmul_tflops']:.1f} TFLOP/s, the paper-preset round at "
             f"{g['times_floor']:.1f}× that floor (small kernels: launch- and latency-bound)."]
-
-
-def _ratio_with_range(m: dict) -> str:
-    return f"{m['ratio']}×" + (f" ({m['range']})" if "range" in m else "")
 
 
 def _span(windows: list[dict], key: str) -> str:
