@@ -108,6 +108,30 @@ def test_a_pfedkdh_flag_named_like_a_methods_own_option_points_to_it(capsys):
         make_config("smoke", method="fedprox", method_args=(("fedavg:mu", "0.5"),))
 
 
+def test_the_count_of_clients_from_flags_file_and_rounding(tmp_path, monkeypatch, capsys):
+    """A --participation flag wins over a --config file's per_round (which, as a count, would have won
+    over it without a word); one source giving both is refused; ρ × K rounds halves up (12.5 → 13)."""
+    from pfedkdh_jax.run import experiment
+    seen = []
+    monkeypatch.setattr(experiment, "run", lambda cfg, **_: seen.append(cfg) or {"out": cfg.out})
+    count = tmp_path / "count.json"
+    count.write_text(json.dumps({"per_round": 3}))
+    share = tmp_path / "share.json"
+    share.write_text(json.dumps({"participation": 0.3}))
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps({"participation": 0.3, "per_round": 3}))
+    run = ["run", "--preset", "smoke", "--no-progress", "--out", str(tmp_path / "r")]   # digits: 10 clients
+    assert cli.main([*run, "--config", str(count), "--participation", "0.5"]) == 0
+    assert cli.main([*run, "--config", str(share), "--clients-per-round", "4"]) == 0
+    assert cli.main([*run, "--config", str(count)]) == 0
+    assert [c.clients_per_round for c in seen] == [5, 4, 3]
+    assert cli.main([*run, "--config", str(both)]) == 2
+    assert "give participation (0.3) or per_round (3), not both" in capsys.readouterr().err
+    assert make_config("smoke", num_clients=25, participation=0.5).clients_per_round == 13
+    assert make_config("smoke", num_clients=1000, participation=0.0125).clients_per_round == 13
+    assert make_config("smoke", num_clients=30, participation=0.01).clients_per_round == 1
+
+
 def test_ctrl_c_says_how_to_go_on(tmp_path, monkeypatch, capsys):
     """A KeyboardInterrupt in a run is one line naming the resume command (exit 130), not a traceback."""
     from pfedkdh_jax.run import experiment

@@ -39,7 +39,8 @@ _FLAGS = [
     ("--out", "out", str, "run directory (default runs/<dataset>-<method>-a<alpha>-s<seed>-<time>)"),
     ("--alpha", "alpha", float, "Dirichlet concentration of the label skew (> 0)"),
     ("--clients", "num_clients", int, "number of clients K (>= 2)"),
-    ("--participation", "participation", float, "fraction of clients per round, in (0, 1]"),
+    ("--participation", "participation", float,
+     "fraction of clients per round, in (0, 1] (ρ × K clients, rounded half up, at least 1)"),
     ("--clients-per-round", "per_round", int, "exactly this many clients a round, instead of --participation"),
     ("--rounds", "rounds", int, "federated rounds"),
     ("--local-epochs", "local_epochs", int, "local epochs E"),
@@ -294,7 +295,7 @@ def _command(args) -> int:
     try:
         _one_count_of_clients(args)
         if args.config:
-            values = {**load_config_file(args.config, smoke=args.preset == "smoke"), **values}
+            values = {**_file_under_flags(load_config_file(args.config, smoke=args.preset == "smoke"), args), **values}
         if args.method_args:
             bad = [a for a in args.method_args if "=" not in a]
             if bad:
@@ -333,7 +334,7 @@ def _sweep(args) -> int:
     try:
         _one_count_of_clients(args)
         spec = load_config_file(args.config, smoke=args.preset == "smoke") if args.config else {}
-        spec = {k: spec[k] for k in spec}
+        spec = _file_under_flags(spec, args)
         axes = {k: spec.pop(k) for k in ("datasets", "alphas", "methods", "seeds", "grid", "preset",
                                          "method_args", "stack") if k in spec}
         options = {**spec, **{k: tuple(v) if k == "plugins" else v for k, v in vars(args).items()
@@ -416,6 +417,18 @@ def _one_count_of_clients(args) -> None:
     if args.participation is not None and args.per_round:
         raise ConfigError(f"give --participation ({args.participation:g}) or --clients-per-round ({args.per_round}), "
                           "not both: the count would win")
+
+
+def _file_under_flags(spec: dict, args) -> dict:
+    """A --config file's options under the command line's: a --participation flag sets the count of
+    clients, so the file's per_round (which would win over it) goes, and a --clients-per-round flag's
+    count takes the file's participation's place."""
+    spec = dict(spec)
+    if args.participation is not None:
+        spec.pop("per_round", None)
+    if args.per_round:
+        spec.pop("participation", None)
+    return spec
 
 
 def _error(e: Exception) -> int:

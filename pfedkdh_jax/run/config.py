@@ -114,7 +114,7 @@ class RunConfig:
     def clients_per_round(self) -> int:
         if self.per_round > 0:
             return self.per_round
-        return max(1, int(round(self.participation * self.num_clients)))
+        return max(1, round_half_up(self.participation * self.num_clients))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -137,6 +137,11 @@ def slot_granule(cfg: RunConfig) -> int | str | None:
     if cfg.slot_granule == "auto":
         return "auto"
     return int(cfg.slot_granule) or None
+
+
+def round_half_up(x: float) -> int:
+    """``x`` to the nearest integer, halves up (12.5 → 13; Python's ``round`` takes halves to even)."""
+    return int(math.floor(x + 0.5))
 
 
 def fused_steps(cfg: RunConfig) -> int | str:
@@ -188,6 +193,9 @@ def make_config(preset_name: str = "default", **overrides) -> RunConfig:
         overrides["method_args"] = tuple(
             (k.split(":", 1)[1], v) if ":" in k and canonical_name(k.split(":", 1)[0], METHODS) == method else (k, v)
             for k, v in overrides["method_args"])
+    if overrides.get("participation") is not None and overrides.get("per_round"):
+        raise ConfigError(f"give participation ({overrides['participation']:g}) or per_round "
+                          f"({overrides['per_round']}), not both: the count would win")
     dataset = overrides.get("dataset", RunConfig.dataset)
     values = preset(preset_name, dataset)
     values.update({k: v for k, v in overrides.items() if v is not None})
