@@ -40,11 +40,16 @@ class LinenModel:
         (e.g. ``"train"`` for ``__call__(self, x, train: bool)``); it is passed ``rng is not None``,
         and the ``rng`` goes to the ``"dropout"`` stream. ``None``: the backbone takes no such
         keyword (and draws no randomness).
+      input_dtype: the dtype of the inputs the backbone receives, for ``init``'s example batch:
+        float32 for images (mapped to [-1, 1]) and other float features; an integer dtype for inputs
+        kept as stored, e.g. token ids for an ``nn.Embed`` (``from_arrays`` of int32 inputs,
+        ``FederatedData.input_dtype``).
     """
 
     backbone: Any
     head: Any
     train_kwarg: str | None = None
+    input_dtype: Any = jnp.float32
 
     def __post_init__(self):
         for name in ("backbone", "head"):
@@ -70,7 +75,7 @@ class LinenModel:
 
     def init(self, key: jax.Array, input_shape: tuple[int, ...]) -> Params:
         kb, kh = jax.random.split(key)
-        x = jnp.zeros((1, *input_shape), jnp.float32)
+        x = jnp.zeros((1, *input_shape), self.input_dtype)
         vb = self.backbone.init({"params": kb, "dropout": kb}, x, **self._kwargs(False))
         _params_only(vb, "backbone")
         z = _flat(self.backbone.apply(vb, x, **self._kwargs(False)))

@@ -424,7 +424,15 @@ def test_a_partition_of_ones_own_is_checked_before_anything_runs():
         (dataclasses.replace(good, train_idx=(np.zeros(0, np.int64), *trains[1:])), r"client\(s\) 0 hold no train"),
         (dataclasses.replace(good, test_idx=(np.array([3, 8]), *tests[1:])), "client 0's train_idx and test_idx share"),
         (dataclasses.replace(good, aux_idx=np.array([50.0])), "must hold integer sample indices"),
+        (dataclasses.replace(good, train_idx=(np.array([0, 1, 1, 2]), *trains[1:])),
+         r"train_idx\[0\] holds index 1 more than once"),
+        (dataclasses.replace(good, test_idx=(tests[0].reshape(1, 2), *tests[1:])), r"test_idx\[0\] must be a 1-D"),
     ]
     for bad, message in cases:
         with pytest.raises(data.DataError, match=message):
             from_arrays(x, y, partition=bad)
+    # options a ready partition (or a natural one) does not read are refused, not dropped
+    with pytest.raises(data.DataError, match=r"from_arrays\(partition=...\) does not read aux_size, train_fraction"):
+        from_arrays(x, y, partition=good, aux_size=5, train_fraction=0.5)
+    with pytest.raises(data.DataError, match=r"from_arrays\(client_ids=...\) does not read balance_cap"):
+        from_arrays(x, y, client_ids=np.arange(60) % 3, balance_cap=True)

@@ -106,6 +106,70 @@ def test_model_shapes_are_checked_before_anything_runs(digits):
         p.FedPer(wrong_head).init(jax.random.key(0), digits)
 
 
+class TokenBackbone(nn.Module):
+    """Token ids [B, L] through an embedding: a backbone whose inputs are integers."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.relu(nn.Dense(16)(nn.Embed(20, 8)(x).mean(axis=1)))
+
+
+def test_integer_inputs_reach_a_users_embedding_in_every_probe():
+    """Token ids stay int32 (from_arrays) and LinenModel(input_dtype=) builds with them; FedProto's and
+    pFedSim's feature probes take the data's dtype; a float example batch is named with the fix."""
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 240)
+    x = (rng.integers(0, 6, (240, 5)) + 6 * y[:, None]).astype(np.int32) % 20   # learnable from the tokens
+    data = p.from_arrays(x, y, num_clients=3, alpha=5.0, aux_size=30, seed=0)
+    assert data.input_dtype == jnp.int32
+    model = p.LinenModel(TokenBackbone(), nn.Dense(3), input_dtype=jnp.int32)
+    for name in ("FedAvg", "FedProto", "PFedSim"):
+        algo = p.make_method(name, model, local_epochs=1, batch_size=32)
+        state = algo.init(jax.random.key(0), data)
+        _, metrics = jax.jit(p.make_round(algo, p.Layout("vmap", "scan")))(state, data, jnp.array([0, 2]),
+                                                                             jax.random.key(1))
+        assert np.isfinite(float(metrics["train_loss"])), name
+    with pytest.raises(ValueError, match=r"LinenModel.init\(key, \(5,\)\) failed.*input_dtype=jnp.int32"):
+        p.FedAvg(p.LinenModel(TokenBackbone(), nn.Dense(3))).init(jax.random.key(0), data)
+    with pytest.raises(ValueError, match=r"SmallBackbone.*LinenModel.init\(key, \(5,\)\) failed|LinenModel.init"):
+        p.FedAvg(small_model()).init(jax.random.key(0), data)   # an image model on token rows: named, one line
+
+
+def test_two_model_methods_take_an_optimizer_that_reads_the_models_structure(digits):
+    """Ditto's global and personal copies, pFedMe's w: each is {"backbone", "head"} to the optimizer, so
+    adamw's mask by part works as in FedAvg; an object with optax's init/update is an optimizer too."""
+    masked = optax.adamw(1e-3, weight_decay=1e-2, mask={"backbone": True, "head": False})
+    sel, key = jnp.array([0, 2], jnp.int32), jax.random.key(1)
+    for name in ("Ditto", "PFedMe"):
+        algo = p.make_method(name, small_model(), optimizer=masked, local_epochs=1, batch_size=32,
+                             **({"inner_steps": 2} if name == "PFedMe" else {}))
+        state = algo.init(jax.random.key(0), digits)
+        _, metrics = jax.jit(p.make_round(algo, p.Layout("vmap", "scan")))(state, digits, sel, key)
+        assert np.isfinite(float(metrics["train_loss"])), name
+    class Duck:   # optax's two functions on an object of one's own (hashable, as a config's fields are)
+        def init(self, params):
+            return optax.sgd(0.015).init(params)
+
+        def update(self, updates, state, params=None):
+            return optax.sgd(0.015).update(updates, state, params)
+    duck = Duck()
+    plain = p.FedAvg(small_model(), p.FedAvgConfig(local_epochs=1, batch_size=32))
+    ducked = p.FedAvg(small_model(), p.FedAvgConfig(local_epochs=1, batch_size=32, optimizer=duck))
+    state = plain.init(jax.random.key(0), digits)
+    a = jax.jit(p.make_round(plain, p.Layout("vmap", "scan")))(state, digits, sel, key)[0]
+    b = jax.jit(p.make_round(ducked, p.Layout("vmap", "scan")))(state, digits, sel, key)[0]
+    np.testing.assert_allclose(a.head["kernel"], b.head["kernel"], rtol=1e-6, atol=1e-7)
+
+
+def test_a_config_of_another_method_is_refused():
+    """FedAvg(model, FedProxConfig(mu=100)) trained as plain FedAvg before, its mu unread."""
+    with pytest.raises(TypeError, match=r"FedAvg\(config=...\) must be a FedAvgConfig; got a FedProxConfig"):
+        p.FedAvg(small_model(), p.FedProxConfig(mu=100.0))
+    with pytest.raises(TypeError, match=r"Ditto\(config=...\) must be a DittoConfig; got a dict \(e.g. DittoConfig"):
+        p.Ditto(small_model(), {"lr": 0.1})
+    assert type(p.FedProx(small_model(), p.FedProxConfig(mu=0.1)).config) is p.FedProxConfig
+
+
 def test_configs_check_their_fields_in_python_terms():
     with pytest.raises(p.OptionError, match=r"FedProxConfig.mu must be >= 0; got -1"):
         p.FedProxConfig(mu=-1)
@@ -688,3 +752,10 @@ def test_a_runner_warns_when_a_configured_warm_up_did_not_run(digits):
         assert [str(w.message) for w in caught if "before_training" in str(w.message)] == (
             ["RoundRunner.round: PFedKDH's before_training is configured but did not run: call "
              "runner.prepare(state, data, key) once before the first round"] if warned else []), (warmup, prepare)
+
+
+def test_init_names_a_key_or_data_of_another_kind(digits):
+    with pytest.raises(TypeError, match=r"init\(key, data\): key must be a JAX random key .*; got int 0"):
+        p.FedAvg(small_model()).init(0, digits)
+    with pytest.raises(TypeError, match=r"data must be a FederatedData: build it with from_arrays.*; got a Pool"):
+        p.FedPer(small_model()).init(jax.random.key(0), load_pool("digits"))

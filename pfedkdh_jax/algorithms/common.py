@@ -41,18 +41,30 @@ def may_be_nonzero(value) -> bool:
 
 def init_params(model: Model, key: jax.Array, data: FederatedData):
     """The model's parameters ``{"backbone", "head"}`` for ``data``'s inputs and classes (checked
-    from shapes first: :func:`pfedkdh_jax.engine.protocol.init_params`)."""
+    from shapes first: :func:`pfedkdh_jax.engine.protocol.init_params`). A ``data`` or ``key`` of
+    another kind is a ``TypeError`` naming it (a method's ``init(key, data)`` reads both)."""
+    if not isinstance(data, FederatedData):
+        hint = (": build it with from_arrays(pool.images, pool.labels, ...)" if hasattr(data, "images") else
+                " (pfedkdh_jax.from_arrays)")
+        raise TypeError(f"init(key, data): data must be a FederatedData{hint}; got a {type(data).__name__}")
+    dtype = getattr(key, "dtype", None)
+    if dtype is None or not (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32):
+        raise TypeError(f"init(key, data): key must be a JAX random key (jax.random.key(seed)); got "
+                        f"{type(key).__name__} {key!r}"[:200])
     return _init_params(model, key, data.input_shape, data.num_classes, data.input_dtype)
 
 
 def make_tx(optimizer, lr) -> optax.GradientTransformation:
     """The optax transformation of an optimizer field (:mod:`.configs`): ``None`` → ``optax.sgd(lr)``;
     a function of the learning rate → its transformation at ``lr`` (``lr`` may be traced); a
-    ``GradientTransformation`` → itself (its own learning rate)."""
+    ``GradientTransformation`` (or any object with optax's ``init`` and ``update``) → itself (its own
+    learning rate)."""
     if optimizer is None:
         return optax.sgd(lr)
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return optax.GradientTransformation(optimizer.init, optimizer.update)
     tx = optimizer(lr)
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"an optimizer factory must return an optax.GradientTransformation for lr={lr!r}; "
@@ -252,6 +264,23 @@ def by_part(backbone: optax.GradientTransformation,
             head: optax.GradientTransformation) -> optax.GradientTransformation:
     """Separate optimizers for the backbone and the head (``optax.multi_transform``)."""
     return optax.multi_transform({"backbone": backbone, "head": head}, PART_LABELS)
+
+
+def per_model(txs: dict) -> optax.GradientTransformation:
+    """``{name: tx}`` over parameters ``{name: model}``: each model's optimizer sees that model's own
+    ``{"backbone", "head"}`` tree (Ditto's global and personal copies, pFedMe's w and θ), as it would
+    in any other method, so an optimizer that reads the tree's structure (``optax.adamw(mask=...)``,
+    ``optax.multi_transform`` with labels ``{"backbone", "head"}``) takes each copy as it takes one model.
+    (``optax.multi_transform`` would hand each the whole ``{name: ...}`` tree with the others masked.)"""
+    def init(params):
+        return {k: tx.init(params[k]) for k, tx in txs.items()}
+
+    def update(updates, state, params=None):
+        out = {k: tx.update(updates[k], state[k], None if params is None else params[k])
+               for k, tx in txs.items()}
+        return {k: u for k, (u, _) in out.items()}, {k: s for k, (_, s) in out.items()}
+
+    return optax.GradientTransformation(init, update)
 
 
 def head_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:

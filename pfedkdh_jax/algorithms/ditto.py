@@ -41,7 +41,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import optax
 
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms import common as C
@@ -72,9 +71,8 @@ class Ditto(Algorithm):
     @property
     def trainer(self) -> LocalTrainer:
         c = self.config
-        tx = optax.multi_transform({"global": C.client_tx(c), "personal": C.make_tx(
-            c.optimizer if c.personal_optimizer is None else c.personal_optimizer, c.lr)},
-                                   {"global": "global", "personal": "personal"})
+        tx = C.per_model({"global": C.client_tx(c), "personal": C.make_tx(
+            c.optimizer if c.personal_optimizer is None else c.personal_optimizer, c.lr)})
         return C.sgd_trainer(self.local_loss, tx, c)
 
     def context(self, state: DittoState) -> PyTree:

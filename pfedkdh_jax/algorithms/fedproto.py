@@ -102,7 +102,8 @@ class FedProto(Algorithm):
         params = C.init_params(self.model, key, data)
         c = data.num_classes
         return FedProtoState(models=C.broadcast(params, data.num_clients),
-                             protos=jnp.zeros((c, feature_dim(self.model, data.input_shape)), jnp.float32),
+                             protos=jnp.zeros((c, feature_dim(self.model, data.input_shape, data.input_dtype)),
+                                              jnp.float32),
                              has_proto=jnp.zeros((c,), bool), round=jnp.zeros((), jnp.int32))
 
     @property

@@ -77,10 +77,15 @@ class PFedMe(Algorithm):
     @property
     def trainer(self) -> LocalTrainer:
         """One engine step = K inner steps on θ, then the w step (``update`` replaces the gradient step);
-        the trainer's optimizer is the outer one, of w (its state covers ``{"w", "theta"}``; θ's part
-        is never used: the inner problem starts afresh on every minibatch)."""
-        c = self.config
-        return C.sgd_trainer(self.batch_loss, C.client_tx(c), c, update=self.local_update)
+        the trainer's optimizer is the outer one, of w (:meth:`outer_tx`; θ's inner optimizer starts
+        afresh on every minibatch, θ itself carries over)."""
+        return C.sgd_trainer(self.batch_loss, self.outer_tx, self.config, update=self.local_update)
+
+    @property
+    def outer_tx(self) -> optax.GradientTransformation:
+        """The client optimizer on w, over ``{"w", "theta"}`` (θ takes zero updates and holds no
+        optimizer state): w is a whole model ``{"backbone", "head"}`` to the optimizer, as in any method."""
+        return C.per_model({"w": C.client_tx(self.config), "theta": optax.set_to_zero()})
 
     def context(self, state: PFedMeState) -> PyTree:
         return None
@@ -110,7 +115,7 @@ class PFedMe(Algorithm):
             theta = optax.apply_updates(theta, u)
         g_w = {"w": jax.tree_util.tree_map(lambda wt, t: c.lam * (wt - t), w, theta),
                "theta": jax.tree_util.tree_map(jnp.zeros_like, theta)}
-        u, opt_state = C.client_tx(c).update(g_w, opt_state, params)
+        u, opt_state = self.outer_tx.update(g_w, opt_state, params)
         w = optax.apply_updates(w, u["w"])
         return loss, {"w": w, "theta": theta}, opt_state
 

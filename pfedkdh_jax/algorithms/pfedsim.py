@@ -221,7 +221,7 @@ class PFedSim(Algorithm):
         models = C.put(state.models, selected, updates.params)
         w = update_similarity(state.similarity, model_rows(models, selected),
                               classifier_similarity(self.model, updates.params["head"],
-                                                    feature_dim(self.model, data.input_shape)))
+                                                    feature_dim(self.model, data.input_shape, data.input_dtype)))
 
         def pick(a, b):
             return jax.tree_util.tree_map(lambda x, y: jnp.where(personal, x, y), a, b)

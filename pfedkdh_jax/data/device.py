@@ -253,6 +253,18 @@ def from_arrays(inputs, labels, *, client_ids=None, num_clients: int | None = No
     if len(given) != 1:
         raise DataError("give the clients one way: client_ids (a natural partition), num_clients and alpha "
                         f"(a Dirichlet partition) or a partition; got {' and '.join(given) or 'none'}")
+    # options the chosen way does not read: an error, not silently ignored
+    options = dict(aux_size=(aux_size, 0), min_client_samples=(min_client_samples, None),
+                   balance_cap=(balance_cap, False), fill=(fill, "auto"), train_fraction=(train_fraction, 0.75),
+                   seed=(seed, 0))
+    unread = {"partition": ("aux_size", "min_client_samples", "balance_cap", "fill", "train_fraction", "seed"),
+              "client_ids": ("balance_cap", "fill")}.get(given[0], ())
+    ignored = [name for name in unread if options[name][0] != options[name][1]]
+    if ignored:
+        why = ("a ready partition holds its own aux_idx and train/test splits" if given[0] == "partition" else
+               "a natural partition keeps every client's samples (no Dirichlet draw to cap, fill or redraw)")
+        raise DataError(f"from_arrays({given[0]}=...) does not read {', '.join(ignored)}: {why}; leave "
+                        f"{'it' if len(ignored) == 1 else 'them'} out")
     if client_ids is not None:
         if len(np.asarray(client_ids)) != len(pool.labels):
             raise DataError(f"client_ids must hold one id per sample: {len(pool.labels)}; got {len(np.asarray(client_ids))}")

@@ -33,8 +33,9 @@ class Partition:
 
     Attributes:
         aux_idx: ``int64 [A]``, sorted: the auxiliary server set D_s.
-        train_idx: one sorted ``int64`` array per client: the client's train split.
-        test_idx: one sorted ``int64`` array per client: the client's own test split.
+        train_idx: one ``int64`` array per client: the client's train split (sorted in the partitions
+          made here; one's own may be in any order, each sample at most once).
+        test_idx: one ``int64`` array per client: the client's own test split (likewise).
         num_clients: number of clients K.
     """
 
@@ -427,7 +428,8 @@ def evaluation_clients(num_clients: int, count: int, seed: int) -> np.ndarray:
 def check_partition(part: Partition, num_samples: int) -> None:
     """Raises :class:`DataError` (one line, in the partition's terms) where ``part`` cannot be trained and
     scored on a pool of ``num_samples`` samples: a client count that is not its lists', an index that is
-    not an integer in ``0 … num_samples − 1``, a client without train samples (its weight 0 in every
+    not an integer in ``0 … num_samples − 1``, an index array that is not 1-D, a sample twice in one
+    client's split (it would weigh twice in the client's epochs and count), a client without train samples (its weight 0 in every
     average, a round of such clients would average nothing), or a client whose train and test splits
     share a sample (its test accuracy would score what it trained on). Clients may share samples with
     each other and with ``aux_idx``, and may hold no test samples (not scored)."""
@@ -439,12 +441,18 @@ def check_partition(part: Partition, num_samples: int) -> None:
         for c, a in enumerate(lists):
             a = np.asarray(a)
             where = name if name == "aux_idx" else f"{name}[{c}]"
+            if a.ndim != 1:
+                raise DataError(f"partition.{where} must be a 1-D array of sample indices; got shape {a.shape}")
             if a.size and not np.issubdtype(a.dtype, np.integer):
                 raise DataError(f"partition.{where} must hold integer sample indices; got {a.dtype}")
             if a.size and (a.min() < 0 or a.max() >= num_samples):
                 bad = a.min() if a.min() < 0 else a.max()
                 raise DataError(f"partition.{where} holds index {int(bad)}: indices must be in 0 … {num_samples - 1} "
                                 f"(the {num_samples} samples given)")
+            twice = np.unique(a, return_counts=True)
+            if a.size and twice[1].max() > 1:
+                raise DataError(f"partition.{where} holds index {int(twice[0][twice[1] > 1][0])} more than once: "
+                                "each sample at most once per split")
     empty = [c for c, t in enumerate(part.train_idx) if len(t) == 0]
     if empty:
         raise DataError(f"partition: client(s) {', '.join(map(str, empty[:5]))}{' …' if len(empty) > 5 else ''} hold "

@@ -132,11 +132,12 @@ def logits(model: Model, params: Params, x: jax.Array, *, rng: jax.Array | None 
     return model.logits_from_features(params["head"], model.features(params["backbone"], x, rng=rng))
 
 
-def feature_dim(model: Model, input_shape: tuple[int, ...]) -> int:
-    """The size D of ``model``'s features for inputs of ``input_shape`` (from shapes: nothing runs)."""
+def feature_dim(model: Model, input_shape: tuple[int, ...], input_dtype=jnp.float32) -> int:
+    """The size D of ``model``'s features for inputs of ``input_shape`` and ``input_dtype`` (a
+    :class:`~pfedkdh_jax.FederatedData`'s ``input_shape`` and ``input_dtype``; from shapes: nothing runs)."""
     def feats(key):
         params = model.init(key, tuple(input_shape))
-        return model.features(params["backbone"], jnp.zeros((1, *input_shape), jnp.float32))
+        return model.features(params["backbone"], jnp.zeros((1, *input_shape), input_dtype))
     return int(jax.eval_shape(feats, jax.random.key(0)).shape[-1])
 
 
@@ -147,7 +148,11 @@ def init_params(model: Model, key: jax.Array, input_shape: tuple[int, ...], num_
     logits ``[B, num_classes]``; a ``ValueError`` names the first mismatch."""
     name = type(model).__name__
     shape = tuple(input_shape)
-    params = jax.eval_shape(lambda k: model.init(k, shape), key)
+    try:
+        params = jax.eval_shape(lambda k: model.init(k, shape), key)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}.init(key, {shape}) failed on the data's input shape"
+                         f"{_dtype_hint(model, input_dtype)}: {_first_line(e)}") from e
     if not isinstance(params, dict) or set(params) != {"backbone", "head"}:
         got = f"a dict with keys {sorted(params)}" if isinstance(params, dict) else f"a {type(params).__name__}"
         raise ValueError(f"{name}.init(key, {shape}) must return {{'backbone': ..., 'head': ...}}; got {got}")
@@ -156,16 +161,37 @@ def init_params(model: Model, key: jax.Array, input_shape: tuple[int, ...], num_
         raise ValueError(f"{name}.init returned leaves that are not arrays ({type(bad[0]).__name__}): "
                          "parameters must be arrays only")
     x = jax.ShapeDtypeStruct((2, *shape), input_dtype)
-    z = jax.eval_shape(lambda p, x: model.features(p["backbone"], x), params, x)
+    try:
+        z = jax.eval_shape(lambda p, x: model.features(p["backbone"], x), params, x)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}.features(backbone, x) failed for x of shape {(2, *shape)} and dtype "
+                         f"{jnp.dtype(input_dtype).name} (the data's): {_first_line(e)}") from e
     if getattr(z, "ndim", None) != 2 or z.shape[0] != 2:
         raise ValueError(f"{name}.features(backbone, x) must return [B, D] features for x of shape "
                          f"{(2, *shape)}; got shape {getattr(z, 'shape', type(z).__name__)}")
-    out = jax.eval_shape(lambda p, z: model.logits_from_features(p["head"], z), params, z)
+    try:
+        out = jax.eval_shape(lambda p, z: model.logits_from_features(p["head"], z), params, z)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}.logits_from_features(head, z) failed for features z of shape {z.shape}: "
+                         f"{_first_line(e)}") from e
     if getattr(out, "shape", None) != (2, num_classes):
         raise ValueError(f"{name}.logits_from_features(head, z) must return [B, {num_classes}] logits "
                          f"(the data's classes) for z of shape {z.shape}; got shape {getattr(out, 'shape', None)}")
     return model.init(key, shape)
 
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _dtype_hint(model, input_dtype) -> str:
+    """Where a model's own example inputs are float and the data's integer (token ids): the fix."""
+    own = getattr(model, "input_dtype", None)
+    if own is not None and jnp.issubdtype(input_dtype, jnp.integer) and not jnp.issubdtype(own, jnp.integer):
+        name = jnp.dtype(input_dtype).name
+        return (f" (its example inputs are {jnp.dtype(own).name}, the data's {name}: "
+                f"give {type(model).__name__}(..., input_dtype=jnp.{name}))")
+    return ""
 
 
 @struct.dataclass
@@ -258,10 +284,20 @@ class Algorithm:
     name: ClassVar[str] = ""
 
     def __post_init__(self):
-        """A method's model is checked when the method is built (one error naming what is missing)."""
+        """A method's model is checked when the method is built (one error naming what is missing),
+        and its config is of the class the method declares or has its fields exactly (another method's
+        config, whose own fields this one would not read, is refused)."""
         model = getattr(self, "model", None)
         if model is not None:
             check_model(model, f"{type(self).__name__}(model=...)")
+        field = {f.name: f for f in dataclasses.fields(self)}.get("config") if dataclasses.is_dataclass(self) else None
+        if field is not None and dataclasses.is_dataclass(field.default):
+            want, got = type(field.default), self.config
+            names = lambda c: {f.name for f in dataclasses.fields(c)}  # noqa: E731
+            if not (isinstance(got, want) or (dataclasses.is_dataclass(got) and names(got) == names(want))):
+                hint = f" (e.g. {want.__name__}(**options))" if isinstance(got, dict) else ""
+                raise TypeError(f"{type(self).__name__}(config=...) must be a {want.__name__}; got a "
+                                f"{type(got).__name__}{hint}")
 
     # ---------------------------------------------------------------------------------- set-up
     def init(self, key: jax.Array, data) -> PyTree:

@@ -913,6 +913,8 @@ class PhasedRunner:
         return self.runners[i].round(state, data, selected, key)
 
     def evaluate(self, state, data: FederatedData, key: jax.Array, t: int, *, personalize: bool = False) -> dict:
+        """``state`` scored by the runner of round ``t``'s phase (``t``: the 0-based round just run, as
+        :meth:`round` takes it; a :class:`RoundRunner`'s ``evaluate`` has no ``t``)."""
         return self.runners[self.phase(t)].evaluate(state, data, key, personalize=personalize)
 
 
