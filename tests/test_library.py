@@ -754,8 +754,14 @@ def test_a_runner_warns_when_a_configured_warm_up_did_not_run(digits):
              "runner.prepare(state, data, key) once before the first round"] if warned else []), (warmup, prepare)
 
 
-def test_init_names_a_key_or_data_of_another_kind(digits):
+def test_a_key_data_or_count_of_another_kind_is_named(digits):
     with pytest.raises(TypeError, match=r"init\(key, data\): key must be a JAX random key .*; got int 0"):
         p.FedAvg(small_model()).init(0, digits)
     with pytest.raises(TypeError, match=r"data must be a FederatedData: build it with from_arrays.*; got a Pool"):
         p.FedPer(small_model()).init(jax.random.key(0), load_pool("digits"))
+    with pytest.raises(TypeError, match=r"RoundRunner\(algo, data\): data must be a FederatedData .*; got a tuple"):
+        p.RoundRunner(p.FedAvg(small_model()), (np.zeros((4, 8, 8, 1)), np.zeros(4, int)))
+    with pytest.raises(TypeError, match=r"sample_schedule: per_round must be an int; got float 2.0"):
+        p.sample_schedule(jax.random.key(0), 3, 10, 2.0)
+    with pytest.raises(DataError, match=r"ragged list cannot be stacked"):
+        p.from_arrays([[1.0, 2.0], [3.0]], [0, 1], num_clients=2, alpha=1.0)

@@ -110,7 +110,14 @@ def pool_from_arrays(inputs, labels, *, num_classes: int | None = None, normaliz
     ``uint8`` pixels are normalised to [-1, 1] unless ``normalize=False``) and integer ``labels [N]``
     (``num_classes``: default ``max(labels) + 1``). Wrong shapes, dtypes or labels: one-line
     :class:`DataError`."""
-    x, y = np.asarray(inputs), np.asarray(labels)
+    try:
+        x, y = np.asarray(inputs), np.asarray(labels)
+    except ValueError as e:   # a ragged list: numpy's "inhomogeneous shape"
+        raise DataError(f"inputs and labels must be arrays of one shape per sample (a ragged list cannot be "
+                        f"stacked: pad its rows to one length first): {str(e).splitlines()[0]}") from None
+    if x.dtype == object:
+        raise DataError("inputs must be a numeric array [N, ...] with one shape per sample; got an object array "
+                        "(rows of different lengths?)")
     if x.ndim == 1:
         raise DataError(f"inputs must be [N, ...] with one row per sample (a feature vector is [N, D]); "
                         f"got shape {x.shape}")

@@ -60,7 +60,12 @@ PyTree = Any
 
 def sample_schedule(key: jax.Array, num_rounds: int, num_clients: int, per_round: int) -> np.ndarray:
     """Selected clients of every round ``[T, C]``: uniformly, without replacement (a host copy, for
-    host loops; row t is :func:`~pfedkdh_jax.engine.round.select_clients` of ``fold_in(key, t)``)."""
+    host loops; row t is :func:`~pfedkdh_jax.engine.round.select_clients` of ``fold_in(key, t)``).
+    The three counts are Python (or NumPy) integers; anything else is a ``TypeError`` naming it."""
+    for name, value in (("num_rounds", num_rounds), ("num_clients", num_clients), ("per_round", per_round)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"sample_schedule: {name} must be an int; got {type(value).__name__} {value!r}")
+
     def one(r):
         return select_clients(jax.random.fold_in(key, r), num_clients, per_round)
     return np.asarray(jax.vmap(one)(jnp.arange(num_rounds)), dtype=np.int32)
@@ -567,6 +572,9 @@ class RoundRunner:
         # compile only the narrow step widths that pay (None: full batches only)
         check_one_phase(algo, "RoundRunner(algo, ...)")
         check_pieces(algo, "RoundRunner(algo, ...)")
+        if not isinstance(data, FederatedData):
+            raise TypeError(f"RoundRunner(algo, data): data must be a FederatedData (pfedkdh_jax.from_arrays); "
+                            f"got a {type(data).__name__}")
         self.algo, self.reps, self.mesh = algo, reps, mesh
         self.donate_state = donate_state
         state_donation = 0 if donate_state else None
