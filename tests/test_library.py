@@ -273,6 +273,12 @@ def test_a_state_built_on_other_data_is_named(digits):
     states = jax.vmap(lambda k: algo.init(k, digits))(jax.random.split(key, 2))
     with pytest.raises(ValueError, match="RoundRunner.round: " + message):
         stacked.round(states, six, np.array([[0, 1], [2, 3]]), jax.random.split(key, 2))
+    # the same clients, other inputs (12×12 images): the backbone's shapes are named, not flax's scope error
+    small = p.from_arrays(pool.images[:600, 2:14, 2:14], pool.labels[:600], num_clients=4, alpha=1.0, aux_size=60,
+                          seed=0)
+    with pytest.raises(ValueError, match=r"round: the state's backbone\['Dense_0'\]\['kernel'\] is \(1568, 128\) but "
+                                         r"the model on the data's inputs \(12, 12, 1\) makes it \(288, 128\)"):
+        p.make_round(fedavg)(fedavg.init(key, digits), small, [0, 1], key)
 
 
 def test_an_evaluation_backbone_per_client_must_say_so(digits):

@@ -205,7 +205,13 @@ def check_eval_backbone(algo: Algorithm, models, data: FederatedData, where: str
         return
     lead = [tuple(x.shape[:x.ndim - r.ndim]) if x.ndim >= r.ndim and x.shape[x.ndim - r.ndim:] == r.shape else None
             for x, r in zip(leaves, ref_leaves)]
-    if None in lead or len(set(lead)) != 1:
+    if None in lead:   # the model's own tree, other shapes: a state built for other inputs
+        paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(ref)[0]]
+        i = lead.index(None)
+        raise StateError(f"{where}: the state's backbone{paths[i]} is {tuple(leaves[i].shape)} but the model on the "
+                         f"data's inputs {tuple(data.input_shape)} makes it {tuple(ref_leaves[i].shape)}: the state was "
+                         "built on other inputs; build it with algo.init(key, data) on the data it runs on")
+    if len(set(lead)) != 1:
         return
     stacked = len(lead[0]) > (1 if rep_axis else 0)   # a client axis besides any repetition axis
     if stacked and not models.per_client:
