@@ -108,9 +108,10 @@ def test_a_pfedkdh_flag_named_like_a_methods_own_option_points_to_it(capsys):
         make_config("smoke", method="fedprox", method_args=(("fedavg:mu", "0.5"),))
 
 
-def test_the_count_of_clients_from_flags_file_and_rounding(tmp_path, monkeypatch, capsys):
+def test_the_count_of_clients_from_flags_file_and_rounding(tmp_path, monkeypatch, capsys, registry):
     """A --participation flag wins over a --config file's per_round (which, as a count, would have won
-    over it without a word); one source giving both is refused; ρ × K rounds halves up (12.5 → 13)."""
+    over it without a word), as it does over a dataset preset's and a sweep's; one source giving both is
+    refused; ρ × K rounds as Python's round (halves to even: a resumed run keeps its count)."""
     from pfedkdh_jax.run import experiment
     seen = []
     monkeypatch.setattr(experiment, "run", lambda cfg, **_: seen.append(cfg) or {"out": cfg.out})
@@ -127,9 +128,18 @@ def test_the_count_of_clients_from_flags_file_and_rounding(tmp_path, monkeypatch
     assert [c.clients_per_round for c in seen] == [5, 4, 3]
     assert cli.main([*run, "--config", str(both)]) == 2
     assert "give participation (0.3) or per_round (3), not both" in capsys.readouterr().err
-    assert make_config("smoke", num_clients=25, participation=0.5).clients_per_round == 13
-    assert make_config("smoke", num_clients=1000, participation=0.0125).clients_per_round == 13
+    assert make_config("smoke", num_clients=25, participation=0.5).clients_per_round == 12
+    assert make_config("smoke", num_clients=30, participation=0.6).clients_per_round == 18
     assert make_config("smoke", num_clients=30, participation=0.01).clients_per_round == 1
+    from pfedkdh_jax.data.sources import register_dataset
+    from pfedkdh_jax.run import sweep
+    from pfedkdh_jax.data import load_pool
+    register_dataset("counted", lambda: load_pool("digits"), preset=dict(per_round=3))
+    assert make_config("smoke", dataset="counted").clients_per_round == 3
+    assert make_config("smoke", dataset="counted", participation=0.5).clients_per_round == 10   # 20 clients
+    grid = sweep.make_sweep(datasets=["digits"], alphas=[0.5], methods=["fedavg"], preset="smoke",
+                            grid={"per_round": [0, 3]}, options={"participation": 0.5})
+    assert [c.clients_per_round for _, c in sweep.points(grid, str(tmp_path / "s"))] == [5, 3]
 
 
 def test_ctrl_c_says_how_to_go_on(tmp_path, monkeypatch, capsys):

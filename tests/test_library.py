@@ -131,8 +131,11 @@ def test_integer_inputs_reach_a_users_embedding_in_every_probe():
         assert np.isfinite(float(metrics["train_loss"])), name
     with pytest.raises(ValueError, match=r"LinenModel.init\(key, \(5,\)\) failed.*input_dtype=jnp.int32"):
         p.FedAvg(p.LinenModel(TokenBackbone(), nn.Dense(3))).init(jax.random.key(0), data)
-    with pytest.raises(ValueError, match=r"SmallBackbone.*LinenModel.init\(key, \(5,\)\) failed|LinenModel.init"):
+    with pytest.raises(ValueError, match=r"LinenModel.init\(key, \(5,\)\) failed for the data's inputs") as e:
         p.FedAvg(small_model()).init(jax.random.key(0), data)   # an image model on token rows: named, one line
+    assert "\n" not in str(e.value)
+    from pfedkdh_jax.run import preflight   # the run's memory pre-flight compiles a step on the data's dtype
+    assert preflight.step_temp_bytes(3, (5,), 8, model, data.input_dtype) >= 0
 
 
 def test_two_model_methods_take_an_optimizer_that_reads_the_models_structure(digits):
@@ -148,12 +151,12 @@ def test_two_model_methods_take_an_optimizer_that_reads_the_models_structure(dig
         assert np.isfinite(float(metrics["train_loss"])), name
     class Duck:   # optax's two functions on an object of one's own (hashable, as a config's fields are)
         def init(self, params):
-            return optax.sgd(0.015).init(params)
+            return optax.sgd(0.05).init(params)
 
         def update(self, updates, state, params=None):
-            return optax.sgd(0.015).update(updates, state, params)
+            return optax.sgd(0.05).update(updates, state, params)
     duck = Duck()
-    plain = p.FedAvg(small_model(), p.FedAvgConfig(local_epochs=1, batch_size=32))
+    plain = p.FedAvg(small_model(), p.FedAvgConfig(local_epochs=1, batch_size=32, lr=0.05))
     ducked = p.FedAvg(small_model(), p.FedAvgConfig(local_epochs=1, batch_size=32, optimizer=duck))
     state = plain.init(jax.random.key(0), digits)
     a = jax.jit(p.make_round(plain, p.Layout("vmap", "scan")))(state, digits, sel, key)[0]
@@ -168,6 +171,15 @@ def test_a_config_of_another_method_is_refused():
     with pytest.raises(TypeError, match=r"Ditto\(config=...\) must be a DittoConfig; got a dict \(e.g. DittoConfig"):
         p.Ditto(small_model(), {"lr": 0.1})
     assert type(p.FedProx(small_model(), p.FedProxConfig(mu=0.1)).config) is p.FedProxConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class Mine(p.FedPer):   # inherits FedPer's config field: a config of its own is its business
+        pass
+
+    @dataclasses.dataclass(frozen=True)
+    class MineConfig(p.LocalConfig):
+        extra: int = 1
+    assert Mine(small_model(), MineConfig()).config.extra == 1
 
 
 def test_configs_check_their_fields_in_python_terms():
@@ -763,8 +775,17 @@ def test_a_runner_warns_when_a_configured_warm_up_did_not_run(digits):
 def test_a_key_data_or_count_of_another_kind_is_named(digits):
     with pytest.raises(TypeError, match=r"init\(key, data\): key must be a JAX random key .*; got int 0"):
         p.FedAvg(small_model()).init(0, digits)
-    with pytest.raises(TypeError, match=r"data must be a FederatedData: build it with from_arrays.*; got a Pool"):
-        p.FedPer(small_model()).init(jax.random.key(0), load_pool("digits"))
+    for method in ("FedPer", "PFedKDH", "FedFed"):
+        with pytest.raises(TypeError, match=r"data must be a FederatedData: build it with from_arrays.*; got a Pool"):
+            getattr(p, method)(small_model()).init(jax.random.key(0), load_pool("digits"))
+    with pytest.raises(TypeError, match=r"init\(key, data\): key must be a JAX random key"):
+        p.FedAvg(small_model()).init(np.uint32(3), digits)
+    algo = p.FedAvg(small_model(), p.FedAvgConfig(local_epochs=1, batch_size=32))
+    state = algo.init(jax.random.PRNGKey(0), digits)   # a legacy key is a key
+    with pytest.raises(TypeError, match=r"round: data must be a FederatedData .*; got a tuple"):
+        p.make_round(algo)(state, (1, 2), [0, 1], jax.random.key(1))
+    with pytest.raises(TypeError, match=r"RoundRunner.round: data must be a FederatedData; got a dict"):
+        p.RoundRunner(algo, digits).round(state, {}, [0, 1], jax.random.key(1))
     with pytest.raises(TypeError, match=r"RoundRunner\(algo, data\): data must be a FederatedData .*; got a tuple"):
         p.RoundRunner(p.FedAvg(small_model()), (np.zeros((4, 8, 8, 1)), np.zeros(4, int)))
     with pytest.raises(TypeError, match=r"sample_schedule: per_round must be an int; got float 2.0"):

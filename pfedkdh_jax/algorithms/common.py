@@ -42,16 +42,24 @@ def may_be_nonzero(value) -> bool:
 def init_params(model: Model, key: jax.Array, data: FederatedData):
     """The model's parameters ``{"backbone", "head"}`` for ``data``'s inputs and classes (checked
     from shapes first: :func:`pfedkdh_jax.engine.protocol.init_params`). A ``data`` or ``key`` of
-    another kind is a ``TypeError`` naming it (a method's ``init(key, data)`` reads both)."""
+    another kind is a ``TypeError`` naming it (:func:`check_init_args`)."""
+    check_init_args(key, data)
+    return _init_params(model, key, data.input_shape, data.num_classes, data.input_dtype)
+
+
+def check_init_args(key, data) -> None:
+    """A ``TypeError`` naming ``key`` or ``data`` of a method's ``init(key, data)`` when it is not a JAX
+    random key (typed, or a legacy ``uint32 [..., 2]``) or not a :class:`FederatedData`."""
     if not isinstance(data, FederatedData):
         hint = (": build it with from_arrays(pool.images, pool.labels, ...)" if hasattr(data, "images") else
                 " (pfedkdh_jax.from_arrays)")
         raise TypeError(f"init(key, data): data must be a FederatedData{hint}; got a {type(data).__name__}")
-    dtype = getattr(key, "dtype", None)
-    if dtype is None or not (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32):
+    dtype, shape = getattr(key, "dtype", None), tuple(getattr(key, "shape", ()))
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    legacy = dtype == jnp.uint32 and shape[-1:] in ((2,), (4,))
+    if not (typed or legacy):
         raise TypeError(f"init(key, data): key must be a JAX random key (jax.random.key(seed)); got "
                         f"{type(key).__name__} {key!r}"[:200])
-    return _init_params(model, key, data.input_shape, data.num_classes, data.input_dtype)
 
 
 def make_tx(optimizer, lr) -> optax.GradientTransformation:
@@ -272,15 +280,17 @@ def per_model(txs: dict) -> optax.GradientTransformation:
     in any other method, so an optimizer that reads the tree's structure (``optax.adamw(mask=...)``,
     ``optax.multi_transform`` with labels ``{"backbone", "head"}``) takes each copy as it takes one model.
     (``optax.multi_transform`` would hand each the whole ``{name: ...}`` tree with the others masked.)"""
+    txs = {k: optax.with_extra_args_support(tx) for k, tx in txs.items()}
+
     def init(params):
         return {k: tx.init(params[k]) for k, tx in txs.items()}
 
-    def update(updates, state, params=None):
-        out = {k: tx.update(updates[k], state[k], None if params is None else params[k])
+    def update(updates, state, params=None, **extra_args):
+        out = {k: tx.update(updates[k], state[k], None if params is None else params[k], **extra_args)
                for k, tx in txs.items()}
         return {k: u for k, (u, _) in out.items()}, {k: s for k, (_, s) in out.items()}
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def head_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -109,6 +109,7 @@ def _vae_tx(config: FedFedConfig) -> optax.GradientTransformation:
 
 
 def _init_global(model: Model, key: jax.Array, data: FederatedData, config: FedFedConfig) -> FedFedState:
+    C.check_init_args(key, data)
     shape = tuple(data.input_shape)
     if len(shape) != 3 or shape[0] % 4 or shape[1] % 4:
         raise ValueError(f"FedFed: its VAE takes images (H, W, C) whose H and W are multiples of 4 (two stride-2 "

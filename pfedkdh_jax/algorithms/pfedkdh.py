@@ -107,6 +107,7 @@ class PFedKDH(Algorithm):
     # ----------------------------------------------------------------------------------- set-up
     def init(self, key: jax.Array, data: FederatedData) -> PFedKDHState:
         """θ_g⁰, φ_g⁰ from ``key``; every client head and the teacher head start as φ_g⁰."""
+        C.check_init_args(key, data)
         if data.aux_idx.shape[-1] == 0 and (self.config.teacher_epochs > 0 or self.config.warmup_epochs > 0):
             raise ValueError("PFedKDH refits its teacher head on the auxiliary set D_s, and the data have none: "
                              "build them with aux_size > 0 (or set PFedKDHConfig.teacher_epochs=0)")

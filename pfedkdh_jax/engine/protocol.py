@@ -151,8 +151,8 @@ def init_params(model: Model, key: jax.Array, input_shape: tuple[int, ...], num_
     try:
         params = jax.eval_shape(lambda k: model.init(k, shape), key)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{name}.init(key, {shape}) failed on the data's input shape"
-                         f"{_dtype_hint(model, input_dtype)}: {_first_line(e)}") from e
+        raise type(e)(f"{name}.init(key, {shape}) failed for the data's inputs of shape {shape}"
+                      f"{_dtype_hint(model, input_dtype)}: {_first_line(e)}") from e
     if not isinstance(params, dict) or set(params) != {"backbone", "head"}:
         got = f"a dict with keys {sorted(params)}" if isinstance(params, dict) else f"a {type(params).__name__}"
         raise ValueError(f"{name}.init(key, {shape}) must return {{'backbone': ..., 'head': ...}}; got {got}")
@@ -164,7 +164,7 @@ def init_params(model: Model, key: jax.Array, input_shape: tuple[int, ...], num_
     try:
         z = jax.eval_shape(lambda p, x: model.features(p["backbone"], x), params, x)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{name}.features(backbone, x) failed for x of shape {(2, *shape)} and dtype "
+        raise type(e)(f"{name}.features(backbone, x) failed for x of shape {(2, *shape)} and dtype "
                          f"{jnp.dtype(input_dtype).name} (the data's): {_first_line(e)}") from e
     if getattr(z, "ndim", None) != 2 or z.shape[0] != 2:
         raise ValueError(f"{name}.features(backbone, x) must return [B, D] features for x of shape "
@@ -172,7 +172,7 @@ def init_params(model: Model, key: jax.Array, input_shape: tuple[int, ...], num_
     try:
         out = jax.eval_shape(lambda p, z: model.logits_from_features(p["head"], z), params, z)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{name}.logits_from_features(head, z) failed for features z of shape {z.shape}: "
+        raise type(e)(f"{name}.logits_from_features(head, z) failed for features z of shape {z.shape}: "
                          f"{_first_line(e)}") from e
     if getattr(out, "shape", None) != (2, num_classes):
         raise ValueError(f"{name}.logits_from_features(head, z) must return [B, {num_classes}] logits "
@@ -285,13 +285,15 @@ class Algorithm:
 
     def __post_init__(self):
         """A method's model is checked when the method is built (one error naming what is missing),
-        and its config is of the class the method declares or has its fields exactly (another method's
-        config, whose own fields this one would not read, is refused)."""
+        and, where the method's own class declares its ``config`` field, the config is of that class or
+        has its fields exactly (another method's config, whose own fields this one would not read, is
+        refused; a subclass that inherits the field takes a config of its own)."""
         model = getattr(self, "model", None)
         if model is not None:
             check_model(model, f"{type(self).__name__}(model=...)")
+        declares = "config" in type(self).__dict__.get("__annotations__", {})
         field = {f.name: f for f in dataclasses.fields(self)}.get("config") if dataclasses.is_dataclass(self) else None
-        if field is not None and dataclasses.is_dataclass(field.default):
+        if declares and field is not None and dataclasses.is_dataclass(field.default):
             want, got = type(field.default), self.config
             names = lambda c: {f.name for f in dataclasses.fields(c)}  # noqa: E731
             if not (isinstance(got, want) or (dataclasses.is_dataclass(got) and names(got) == names(want))):

@@ -125,8 +125,8 @@ class RoundPieces:
 
     def __call__(self, state, data: FederatedData, selected: jax.Array, key: jax.Array):
         """One round: ``(state, data, selected [C], key) -> (state, metrics)``."""
-        selected = jnp.asarray(checked_selection(selected, data.num_clients))
         check_state_clients(self.algo, state, data, "round")
+        selected = jnp.asarray(checked_selection(selected, data.num_clients))
         pieces = self
         if self.trace_scan and self.layout.step_loop != "scan" and isinstance(selected, jax.core.Tracer):
             pieces = dataclasses.replace(self, layout=dataclasses.replace(self.layout, step_loop="scan"))
@@ -174,7 +174,11 @@ def check_state_clients(algo: Algorithm, state, data: FederatedData, where: str,
     """A ``ValueError`` naming ``where`` when ``state`` keeps values for another number of clients than
     ``data`` has (a state ``init`` built on other data: JAX would clamp the clients' indices into it,
     silently). Read from the shapes of the method's evaluation heads (``eval_models``, ``[K, ...]``;
-    ``[R, K, ...]`` with ``rep_axis``); a method whose evaluation has no heads is not checked."""
+    ``[R, K, ...]`` with ``rep_axis``); a method whose evaluation has no heads is not checked. ``data`` of
+    another kind is a ``TypeError`` naming ``where``."""
+    if not isinstance(data, FederatedData):
+        raise TypeError(f"{where}: data must be a FederatedData (pfedkdh_jax.from_arrays); got a "
+                        f"{type(data).__name__}")
     models = jax.eval_shape(jax.vmap(algo.eval_models) if rep_axis else algo.eval_models, state)
     heads, tree = jax.tree_util.tree_flatten(models.heads)
     if heads:

@@ -707,6 +707,8 @@ class RoundRunner:
     def round(self, state, data: FederatedData, selected: np.ndarray, key: jax.Array):
         """One federated round over the clients ``selected`` (host ints ``[C]``, or ``[R, C]`` with
         repetitions; ``key`` then ``[R]``). Returns device values without synchronising."""
+        if not isinstance(data, FederatedData):
+            raise TypeError(f"RoundRunner.round: data must be a FederatedData; got a {type(data).__name__}")
         selected = checked_selection(selected, data.num_clients, 1 if self.reps is None else 2)
         kind = _kind(state)
         self._check_clients(state, data, "RoundRunner.round", kind)
@@ -765,7 +767,7 @@ class RoundRunner:
 
     def _check_clients(self, state, data: FederatedData, where: str, kind: tuple | None = None) -> None:
         """:func:`check_state_clients`, once per kind of state (:func:`_kind`, given or read) and data."""
-        kind = (_kind(state) if kind is None else kind, data.num_clients)
+        kind = (_kind(state) if kind is None else kind, getattr(data, "num_clients", None))
         if kind not in self._fitting:
             check_state_clients(self.algo, state, data, where, rep_axis=self.reps is not None)
             self._fitting.add(kind)
@@ -865,6 +867,9 @@ class PhasedRunner:
     def __init__(self, algo: Algorithm, data: FederatedData, layout: Layout = Layout(), *,
                  reps: int | None = None, mesh: jax.sharding.Mesh | None = None, hparams: dict | None = None,
                  workload: Workload | None = None, donate_state: bool = False):
+        if not isinstance(data, FederatedData):
+            raise TypeError(f"PhasedRunner(algo, data): data must be a FederatedData (pfedkdh_jax.from_arrays); "
+                            f"got a {type(data).__name__}")
         self.phases = algo.phases
         if hparams is not None and len(self.phases) > 1:
             raise ValueError("stacked hyperparameter values need a method of one phase")

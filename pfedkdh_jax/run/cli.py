@@ -40,7 +40,7 @@ _FLAGS = [
     ("--alpha", "alpha", float, "Dirichlet concentration of the label skew (> 0)"),
     ("--clients", "num_clients", int, "number of clients K (>= 2)"),
     ("--participation", "participation", float,
-     "fraction of clients per round, in (0, 1] (ρ × K clients, rounded half up, at least 1)"),
+     "fraction of clients per round, in (0, 1] (ρ × K clients, rounded to the nearest, halves to even, at least 1)"),
     ("--clients-per-round", "per_round", int, "exactly this many clients a round, instead of --participation"),
     ("--rounds", "rounds", int, "federated rounds"),
     ("--local-epochs", "local_epochs", int, "local epochs E"),

@@ -59,7 +59,7 @@ class RunConfig:
     data_seed: int = 0                 # partition and D_s
     # --- federated training (method.md §3, Table 1)
     rounds: int = 20
-    participation: float = 0.5         # ρ: clients per round = round(ρ·K), uniformly without replacement
+    participation: float = 0.5         # ρ: clients per round = round(ρ·K) (Python's: halves to even), at least 1
     per_round: int = 0                 # > 0: exactly this many clients a round (instead of --participation)
     local_epochs: int = 2              # E
     batch_size: int = 64
@@ -114,7 +114,7 @@ class RunConfig:
     def clients_per_round(self) -> int:
         if self.per_round > 0:
             return self.per_round
-        return max(1, round_half_up(self.participation * self.num_clients))
+        return max(1, int(round(self.participation * self.num_clients)))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -137,11 +137,6 @@ def slot_granule(cfg: RunConfig) -> int | str | None:
     if cfg.slot_granule == "auto":
         return "auto"
     return int(cfg.slot_granule) or None
-
-
-def round_half_up(x: float) -> int:
-    """``x`` to the nearest integer, halves up (12.5 → 13; Python's ``round`` takes halves to even)."""
-    return int(math.floor(x + 0.5))
 
 
 def fused_steps(cfg: RunConfig) -> int | str:
@@ -198,6 +193,8 @@ def make_config(preset_name: str = "default", **overrides) -> RunConfig:
                           f"({overrides['per_round']}), not both: the count would win")
     dataset = overrides.get("dataset", RunConfig.dataset)
     values = preset(preset_name, dataset)
+    if overrides.get("participation") is not None and not overrides.get("per_round"):
+        values.pop("per_round", None)   # a preset's count gives way to an explicit participation
     values.update({k: v for k, v in overrides.items() if v is not None})
     method = values.get("method", RunConfig.method)
     if preset_name == "smoke" and method in METHODS:   # the method's own phases scaled down too

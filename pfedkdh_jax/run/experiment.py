@@ -33,7 +33,7 @@ from pfedkdh_jax.engine.local import tree_stack
 from pfedkdh_jax.engine.runner import PhasedRunner, sample_schedule
 from pfedkdh_jax.run.checkpoint import CheckpointError, Checkpoints, fingerprint
 from pfedkdh_jax.run.lock import locked
-from pfedkdh_jax.run.config import ConfigError, RunConfig, fused_steps, round_half_up, slot_granule, validate
+from pfedkdh_jax.run.config import ConfigError, RunConfig, fused_steps, slot_granule, validate
 from pfedkdh_jax.run import preflight, records
 
 
@@ -291,10 +291,10 @@ def _partition_runs(cfgs: list[RunConfig], pool, log) -> _Runs:
         runs.summaries.append(part_summary)
         runs.ckpts.append(ck)
     c = cfgs[0]
-    floor = ", at least 1" if round_half_up(c.participation * c.num_clients) == 0 else ""
+    floor = ", at least 1" if int(round(c.participation * c.num_clients)) == 0 else ""
     log(f"{c.clients_per_round} of {c.num_clients} clients a round ("
         + ("--clients-per-round)" if c.per_round else
-           f"--participation {c.participation:g} × {c.num_clients} clients, rounded half up{floor})"))
+           f"--participation {c.participation:g} × {c.num_clients} clients, rounded{floor})"))
     return runs
 
 

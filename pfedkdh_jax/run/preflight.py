@@ -62,13 +62,14 @@ def _tree_bytes(tree) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))
 
 
-def step_temp_bytes(num_classes: int, input_shape: tuple, batch: int, model=None) -> int:
-    """Temporary bytes of one SGD step of the run's model (``None``: the CNN) on a batch, as XLA's
-    buffer assignment counts them."""
+def step_temp_bytes(num_classes: int, input_shape: tuple, batch: int, model=None, input_dtype=jnp.float32) -> int:
+    """Temporary bytes of one SGD step of the run's model (``None``: the CNN) on a batch of
+    ``input_dtype`` inputs (the data's: integer token ids stay integer), as XLA's buffer assignment
+    counts them."""
     from pfedkdh_jax.model import CNN
     if model is None or isinstance(model, CNN):
         return _cnn_step_temp_bytes(num_classes, input_shape, batch)
-    return _step_temp_bytes(model, input_shape, batch)
+    return _step_temp_bytes(model, input_shape, batch, input_dtype)
 
 
 @functools.lru_cache(maxsize=16)
@@ -77,7 +78,7 @@ def _cnn_step_temp_bytes(num_classes: int, input_shape: tuple, batch: int) -> in
     return _step_temp_bytes(CNN(num_classes), input_shape, batch)
 
 
-def _step_temp_bytes(model, input_shape: tuple, batch: int) -> int:
+def _step_temp_bytes(model, input_shape: tuple, batch: int, input_dtype=jnp.float32) -> int:
     from pfedkdh_jax.engine.protocol import logits
 
     def step(params, x, y):
@@ -88,7 +89,7 @@ def _step_temp_bytes(model, input_shape: tuple, batch: int) -> int:
         return jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, params, g)
 
     params = jax.eval_shape(lambda k: model.init(k, input_shape), jax.random.key(0))
-    compiled = jax.jit(step).lower(params, jax.ShapeDtypeStruct((batch, *input_shape), jnp.float32),
+    compiled = jax.jit(step).lower(params, jax.ShapeDtypeStruct((batch, *input_shape), input_dtype),
                                    jax.ShapeDtypeStruct((batch,), jnp.int32)).compile()
     analysis = compiled.memory_analysis()
     return int(analysis.temp_size_in_bytes) if analysis is not None else 0
@@ -159,7 +160,7 @@ def estimate(cfg, algo, data, layout, batched_reps: bool) -> dict:
     data_bytes = _tree_bytes(data)
     together = (cfg.clients_per_round if layout.client_parallel == "vmap" else 1) * (cfg.reps if batched_reps else 1)
     step = step_temp_bytes(data.num_classes, tuple(data.input_shape), cfg.batch_size,
-                           getattr(algo, "model", None)) * together
+                           getattr(algo, "model", None), data.input_dtype) * together
     return {"states": states, "updates": updates, "data": data_bytes, "local_training": step,
             "total": states + updates + data_bytes + step, "clients_at_once": together,
             "per_client": per_client // data.num_clients, "per_update": one_update, "row": row_bytes(state)}

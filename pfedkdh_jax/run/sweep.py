@@ -188,9 +188,14 @@ def points(sweep: Sweep, out: str = "sweep") -> list[tuple[str, RunConfig]]:
             chosen = dict(zip([k for k, _ in grid], values))
             name = f"{dataset}-a{_fmt(alpha)}-{method}" + "".join(f"-{k}{_fmt(v)}" for k, v in chosen.items())
             options = {k: v for k, v in chosen.items() if k not in own}
+            fixed = dict(sweep.options)   # a grid's count of clients (or share) takes the place of the other
+            if options.get("per_round"):
+                fixed.pop("participation", None)
+            if options.get("participation") is not None:
+                fixed.pop("per_round", None)
             args = tuple(margs.get(method, ())) + tuple((k, str(v)) for k, v in chosen.items() if k in own)
             try:
-                cfg = make_config(sweep.preset, **{**dict(sweep.options), **options}, dataset=dataset,
+                cfg = make_config(sweep.preset, **{**fixed, **options}, dataset=dataset,
                                   alpha=alpha, method=method, reps=sweep.seeds, method_args=args,
                                   out=os.path.join(out, "points", name))
             except ConfigError as e:
