@@ -496,6 +496,8 @@ def test_injected_optimizer_and_a_stackable_learning_rate(digits):
     with pytest.raises(ValueError, match="PFedMeConfig.personal_lr cannot take a traced value: "
                                          "PFedMeConfig.personal_optimizer is a GradientTransformation"):
         jax.jit(lambda nu: inner.with_hparams({"personal_lr": nu}).config.lr)(0.1)
+    with pytest.raises(ValueError, match=r"FedAvgConfig.lr takes one value per run .*; got a traced float32\[2\]"):
+        jax.jit(lambda lr: adamw.with_hparams({"lr": lr}).config.lr)(jnp.array([0.1, 0.2]))
     with pytest.raises(ValueError, match="FedAvgConfig.local_epochs cannot take a traced value.*traceable fields: lr"):
         sgd.with_hparams({"local_epochs": 3})
 

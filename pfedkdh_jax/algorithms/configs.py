@@ -144,6 +144,9 @@ class LocalConfig:
         for f in dataclasses.fields(self):
             check, value = f.metadata.get("check"), getattr(self, f.name)
             if _is_traced(value):
+                if getattr(value, "ndim", 0) != 0:   # one run's value; a grid of them is vmapped over
+                    raise ValueError(f"{name}.{f.name} takes one value per run (a traced scalar); got a traced "
+                                     f"{value.dtype}{list(value.shape)}: vmap over the grid's values")
                 continue
             if _is_jax(value):   # a concrete JAX value is checked as the Python scalar it holds
                 if getattr(value, "ndim", None) != 0:
