@@ -49,7 +49,8 @@ _EXPORTS = {
     "check_method": "engine.conformance", "ProtocolError": "engine.protocol",
     # runs
     "RunConfig": "run.config", "ConfigError": "run.config", "make_config": "run.config",
-    "run": ("run.experiment", "run"),
+    "run": ("run.experiment", "run"), "resume": ("run.experiment", "resume"),
+    "save_state": "run.checkpoint", "load_state": "run.checkpoint",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -794,3 +794,25 @@ def test_a_key_data_or_count_of_another_kind_is_named(digits):
         p.sample_schedule(jax.random.key(0), 3, 10, 2.0)
     with pytest.raises(DataError, match=r"ragged list cannot be stacked"):
         p.from_arrays([[1.0, 2.0], [3.0]], [0, 1], num_clients=2, alpha=1.0)
+
+
+def test_a_users_loop_saves_and_loads_its_state(digits, tmp_path):
+    """save_state / load_state: a round's state (and a typed key beside it) round-trips exactly; a state
+    of another shape is named by its leaf's path."""
+    algo = p.FedPer(small_model(), p.FedPerConfig(local_epochs=1, batch_size=32))
+    state = algo.init(jax.random.key(0), digits)
+    state = jax.jit(p.make_round(algo, p.Layout("vmap", "scan")))(state, digits, jnp.array([0, 1]), jax.random.key(1))[0]
+    carry = {"state": state, "key": jax.random.key(7), "round": jnp.int32(1)}
+    path = p.save_state(tmp_path / "carry.npz", carry)
+    back = p.load_state(path, carry)
+    for a, b in zip(jax.tree_util.tree_leaves(carry), jax.tree_util.tree_leaves(back)):
+        assert np.array_equal(jax.random.key_data(a) if a.dtype == carry["key"].dtype else a,
+                              jax.random.key_data(b) if b.dtype == carry["key"].dtype else b)
+    assert back["key"].dtype == carry["key"].dtype
+    other = p.FedPer(p.LinenModel(SmallBackbone(), nn.Dense(10))).init(jax.random.key(0), p.from_arrays(
+        load_pool("digits").images[:600], load_pool("digits").labels[:600], num_clients=5, alpha=1.0, aux_size=60))
+    with pytest.raises(ValueError, match=r"leaf \['state'\]\.heads\['bias'\] is float32\[4, 10\], the state's is "
+                                         r"float32\[5, 10\]"):
+        p.load_state(path, {**carry, "state": other})
+    with pytest.raises(ValueError, match="does not exist"):
+        p.load_state(tmp_path / "none.npz", carry)

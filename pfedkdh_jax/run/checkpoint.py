@@ -142,22 +142,68 @@ class Checkpoints:
 LEAVES = "leaves.npz"
 
 
+def save_state(path: str, state: Any) -> str:
+    """Writes ``state`` (any pytree of arrays: a method's state, stacked runs' states, your loop's
+    carry) to the file ``path`` (``.npz``; its leaves in flattening order, typed random keys as their
+    key data), atomically: written under a temporary name, renamed when complete, so a process killed
+    mid-save leaves the previous file whole. Returns ``path``. :func:`load_state` reads it back."""
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{os.path.basename(path)}")
+    leaves = [np.asarray(jax.random.key_data(x) if _is_key(x) else x)
+              for x in jax.tree_util.tree_leaves(jax.device_get(state))]
+    with open(tmp, "wb") as f:
+        np.savez(f, *leaves)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_state(path: str, like: Any) -> Any:
+    """The state :func:`save_state` wrote to ``path``, in the structure of ``like`` (a state of the same
+    method, data and run shape, e.g. ``algo.init(key, data)``), each leaf with
+    ``like``'s shape, dtype and placement. A file that does not hold such a state is a ``ValueError``
+    naming the first leaf that differs (by its path in the pytree)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"load_state: {path!r} does not exist")
+    try:
+        return _read_leaves(path, like)
+    except (OSError, EOFError, KeyError) as e:   # numpy's failures on a file that is not a .npz of ours
+        raise ValueError(f"load_state: {path!r} is not a state written by save_state ({type(e).__name__})") from None
+    except ValueError as e:
+        raise ValueError(f"load_state: {path}: {e}") from None
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _read_leaves(file: str, target: Any) -> Any:
+    """The leaves in ``file`` (an ``.npz`` of :func:`save_state` or a checkpoint) shaped as ``target``."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    with np.load(file) as z:
+        if len(z.files) != len(flat):
+            raise ValueError(f"{len(z.files)} arrays for a state of {len(flat)} leaves")
+        got = [z[f"arr_{i}"] for i in range(len(flat))]
+    out = []
+    for (where, t), a in zip(flat, got):
+        want = jax.random.key_data(t) if _is_key(t) else t
+        if a.shape != tuple(want.shape) or a.dtype != want.dtype:
+            raise ValueError(f"leaf {jax.tree_util.keystr(where)} is {a.dtype}{list(a.shape)}, the state's is "
+                             f"{want.dtype}{list(want.shape)}")
+        if _is_key(t):
+            a = jax.random.wrap_key_data(a, impl=jax.random.key_impl(t))
+        out.append(jax.device_put(a, t.sharding) if isinstance(t, jax.Array) else a)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def _read_state(path: str, target: Any) -> Any:
     """The state saved under ``path``, shaped as ``target`` (whose leaves' shapes, dtypes and
     placements it takes); a ValueError if the file does not hold such a state."""
-    leaves, treedef = jax.tree_util.tree_flatten(target)
     file = os.path.join(path, LEAVES)
     if not os.path.exists(file):   # written by orbax (before the .npz format)
         import orbax.checkpoint as ocp
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
         return ocp.StandardCheckpointer().restore(os.path.abspath(path), abstract)
-    with np.load(file) as z:
-        if len(z.files) != len(leaves):
-            raise ValueError(f"{len(z.files)} arrays for a state of {len(leaves)}")
-        got = [z[f"arr_{i}"] for i in range(len(leaves))]
-    out = []
-    for i, (a, t) in enumerate(zip(got, leaves)):
-        if a.shape != tuple(t.shape) or a.dtype != t.dtype:
-            raise ValueError(f"leaf {i} is {a.dtype}{list(a.shape)}, the run's is {t.dtype}{list(t.shape)}")
-        out.append(jax.device_put(a, t.sharding) if isinstance(t, jax.Array) else a)
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return _read_leaves(file, target)
