@@ -20,3 +20,16 @@ def test_readme_api_example_runs_as_written():
     assert 0.0 <= fair <= 1.0 and 0.0 <= ea <= 1.0
     # the host runner computes what the user's jitted pure round computes
     assert abs(float(lines[-1]) - ea) < 1e-3
+
+
+def test_every_public_name_is_in_the_readmes_table():
+    """``import pfedkdh_jax as p``: each name of ``p.__all__`` has a row in the README's table of names."""
+    import pfedkdh_jax
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("Every public name"):]
+    table = table[:table.index("\n\n", table.index("| name |"))]
+    listed = set(re.findall(r"`(\w+)`", table))
+    per_method = "`<Method>Config`" in table   # the configs, one per listed method
+    missing = [n for n in pfedkdh_jax.__all__ if n not in listed
+               and not (per_method and n.endswith("Config") and n[:-len("Config")] in listed)]
+    assert not missing, f"public names without a row in README.md's table: {missing}"
