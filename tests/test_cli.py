@@ -126,6 +126,12 @@ def test_the_count_of_clients_from_flags_file_and_rounding(tmp_path, monkeypatch
     assert cli.main([*run, "--config", str(share), "--clients-per-round", "4"]) == 0
     assert cli.main([*run, "--config", str(count)]) == 0
     assert [c.clients_per_round for c in seen] == [5, 4, 3]
+    preset = tmp_path / "preset.json"   # a file's preset gives way to a --preset flag, as its options do
+    preset.write_text(json.dumps({"preset": "smoke"}))
+    plain = ["run", "--no-progress", "--out", str(tmp_path / "r")]
+    assert cli.main([*plain, "--config", str(preset)]) == 0
+    assert cli.main([*plain, "--config", str(preset), "--preset", "default"]) == 0
+    assert [c.rounds for c in seen[-2:]] == [2, 20]
     assert cli.main([*run, "--config", str(both)]) == 2
     assert "give participation (0.3) or per_round (3), not both" in capsys.readouterr().err
     assert make_config("smoke", num_clients=25, participation=0.5).clients_per_round == 12
@@ -143,13 +149,19 @@ def test_the_count_of_clients_from_flags_file_and_rounding(tmp_path, monkeypatch
 
 
 def test_ctrl_c_says_how_to_go_on(tmp_path, monkeypatch, capsys):
-    """A KeyboardInterrupt in a run is one line naming the resume command (exit 130), not a traceback."""
+    """A KeyboardInterrupt in a run is one line naming the resume command (exit 130), not a traceback;
+    before the run wrote its config there is nothing to resume, and the line says so."""
     from pfedkdh_jax.run import experiment
 
     def interrupted(cfg, **_):
         raise KeyboardInterrupt
     monkeypatch.setattr(experiment, "run", interrupted)
     out = tmp_path / "run"
+    assert cli.main(["run", "--preset", "smoke", "--out", str(out), "--no-progress"]) == 130
+    assert capsys.readouterr().err.strip() == (f"pfedkdh: interrupted; the run stopped before it started ({out} "
+                                               "holds nothing to resume): run the same command again")
+    out.mkdir()
+    (out / "config.json").write_text("{}")   # a run that had started
     assert cli.main(["run", "--preset", "smoke", "--out", str(out), "--no-progress"]) == 130
     assert capsys.readouterr().err.strip() == (f"pfedkdh: interrupted; `pfedkdh resume {out}` continues the run "
                                                "from its last checkpoint")
@@ -165,6 +177,14 @@ def test_ctrl_c_says_how_to_go_on(tmp_path, monkeypatch, capsys):
     assert cli.main(["run", "--preset", "smoke", "--out", str(out), "--no-progress"]) == 143
     assert capsys.readouterr().err.strip().startswith(f"pfedkdh: terminated; `pfedkdh resume {out}` continues")
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_flag_is_taken_by_its_whole_name_only(capsys):
+    """``--round 1`` ran as ``--rounds 1`` before (argparse's prefixes)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "--round", "1", "--no-progress"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --round 1; did you mean --rounds?" in capsys.readouterr().err
 
 
 def test_bad_input_fails_before_importing_jax():

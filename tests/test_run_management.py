@@ -151,7 +151,8 @@ def test_same_config_and_seeds_reproduce_the_summary(tmp_path, reference):
 
 
 def test_a_fresh_run_never_writes_over_a_run_or_a_sweep(tmp_path, reference, capsys):
-    """Refused before anything loads: the directory of a finished run, and a sweep's."""
+    """Refused before anything loads: the directory of a finished run, and a sweep's; a sweep into a
+    run's directory (finished, or one whose run.lock says it is running) likewise."""
     before = (reference / "summary.json").read_text()
     assert cli.main(["run", "--preset", "smoke", "--rounds", "1", "--out", str(reference), "--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -164,6 +165,17 @@ def test_a_fresh_run_never_writes_over_a_run_or_a_sweep(tmp_path, reference, cap
     assert cli.main(["run", "--preset", "smoke", "--rounds", "1", "--out", str(sweep), "--no-progress"]) == 2
     assert "holds a sweep (sweep.json)" in capsys.readouterr().err
     assert sorted(p.name for p in sweep.iterdir()) == ["sweep.json"]
+    files = sorted(p.name for p in reference.iterdir())
+    assert cli.main(["sweep", "--preset", "smoke", "--rounds", "1", "--out", str(reference), "--no-progress"]) == 2
+    assert f"--out {reference} holds a run (config.json): give the sweep a directory of its own" in capsys.readouterr().err
+    assert sorted(p.name for p in reference.iterdir()) == files
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    (starting / "run.lock").write_text("1 host")
+    assert cli.main(["sweep", "--preset", "smoke", "--out", str(starting), "--no-progress"]) == 2
+    assert "holds a run (run.lock)" in capsys.readouterr().err
+    assert cli.main(["resume", str(starting), "--no-progress"]) == 2
+    assert "no config.json: the run there stopped before it started, or is starting now" in capsys.readouterr().err
 
 
 def test_config_files(tmp_path):

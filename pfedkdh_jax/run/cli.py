@@ -113,7 +113,13 @@ def _preset_note(field: str) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser whose errors are one line (naming the command's --help), not the usage too."""
+    """argparse's parser whose errors are one line (naming the command's --help), not the usage too,
+    and that takes a flag only by its whole name (``--round 1`` is not ``--rounds 1``: a prefix that a
+    later flag could share would change meaning silently)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
@@ -140,11 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="Presets: 'default' and 'paper' use method.md Table 1 for paper datasets "
                               "(digits: 10 clients, |D_s| 300, 20 rounds, α 0.5); 'smoke' = 2 rounds. Methods: "
                               + " | ".join(f"{m} = {spec.summary}" for m, spec in METHODS.items()) + ".")
-    r.add_argument("--preset", default="default", choices=PRESETS,
+    r.add_argument("--preset", default=None, choices=PRESETS,
                    help="default and paper (the same): method.md Table 1 on the paper's datasets, a demo "
-                        "schedule on digits; smoke: 2 rounds, and a method's own phases and inner loops shortened ("
+                        "schedule on digits (EA every 5 rounds); smoke: 2 rounds, EA every round, and a method's own "
+                        "phases and inner loops shortened ("
                         + ", ".join(f"{m}: {k}={v}" for m, spec in METHODS.items() for k, v in spec.smoke.items())
-                        + ")")
+                        + ") (default: default, or a --config file's preset)")
     for flag, field, typ, hlp in _FLAGS:
         default = RunConfig.__dataclass_fields__[field].default
         r.add_argument(flag, dest=field, type=typ, default=None,
@@ -269,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _command(args)
     except KeyboardInterrupt:   # Ctrl-C: one line on how to continue, not JAX's traceback
+        hint = _ON_INTERRUPT.get(args.command, "nothing was lost")
         print(f"\npfedkdh: {'terminated' if terminated else 'interrupted'}; "
-              f"{_ON_INTERRUPT.get(args.command, 'nothing was lost')}", file=sys.stderr)
+              f"{hint() if callable(hint) else hint}", file=sys.stderr)
         return 143 if terminated else 130
     finally:
         if previous is not None:
@@ -294,17 +302,21 @@ def _command(args) -> int:
               if k in RunConfig.__dataclass_fields__ and v is not None}
     try:
         _one_count_of_clients(args)
+        preset_name = args.preset
         if args.config:
-            values = {**_file_under_flags(load_config_file(args.config, smoke=args.preset == "smoke"), args), **values}
+            spec = _file_under_flags(load_config_file(args.config, smoke=args.preset == "smoke"), args)
+            file_preset = spec.pop("preset", None)
+            preset_name = preset_name or file_preset   # a --preset flag wins over the file's
+            values = {**spec, **values}
         if args.method_args:
             bad = [a for a in args.method_args if "=" not in a]
             if bad:
                 raise ConfigError(f"--method-arg must be KEY=VALUE; got {bad[0]!r}")
             values["method_args"] = tuple(tuple(a.split("=", 1)) for a in args.method_args)
-        cfg = make_config(args.preset, **values)
+        cfg = make_config(preset_name or "default", **values)
         from pfedkdh_jax.run.experiment import default_out_dir, run  # jax imported only now
         cfg = dataclasses.replace(cfg, out=cfg.out or default_out_dir(cfg))
-        _ON_INTERRUPT["run"] = _resume_hint(cfg.out, cfg.checkpoint_every)
+        _ON_INTERRUPT["run"] = lambda: _resume_hint(cfg.out, cfg.checkpoint_every)   # read when it is needed
         return _guarded(lambda: run(cfg, progress=not args.no_progress))
     except (ConfigError, DataError) as e:
         return _error(e)
@@ -478,6 +490,10 @@ def _guarded_sweep(job):
 
 
 def _resume_hint(run_dir: str, every: int | None) -> str:
+    """What a Ctrl-C leaves of a run in ``run_dir`` and how to go on (read when the interrupt comes:
+    before the run wrote its config.json there is nothing to resume)."""
+    if not os.path.exists(os.path.join(run_dir, "config.json")):
+        return f"the run stopped before it started ({run_dir} holds nothing to resume): run the same command again"
     if every == 0:
         return f"the run kept no checkpoints (--checkpoint-every 0): {run_dir} holds its rounds so far"
     return f"`pfedkdh resume {run_dir}` continues the run from its last checkpoint"

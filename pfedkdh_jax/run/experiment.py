@@ -651,7 +651,9 @@ def load_run_config(run_dir: str, **overrides) -> RunConfig:
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
         hint = (": it holds a sweep; its runs are its points/* (to continue the sweep, run its command again)"
-                if os.path.exists(os.path.join(run_dir, "sweep.json")) else " (no config.json)")
+                if os.path.exists(os.path.join(run_dir, "sweep.json")) else
+                " (no config.json: the run there stopped before it started, or is starting now; run its command "
+                "again)" if os.path.exists(os.path.join(run_dir, "run.lock")) else " (no config.json)")
         raise CheckpointError(f"{run_dir} is not a run directory{hint}")
     with open(path) as f:
         stored = json.load(f)

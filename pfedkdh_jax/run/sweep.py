@@ -287,8 +287,11 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
         log = _prefixed(log, f"[process {index}/{count}] ")
     for dataset, data_dir in dict.fromkeys((c.dataset, c.data_dir) for _, c in points(sweep, out)):
         check_available(dataset, data_dir)   # every dataset before the first point, not hours into the sweep
-    os.makedirs(out, exist_ok=True)
     spec_path = os.path.join(out, "sweep.json")
+    run_files = [f for f in ("config.json", "run.lock") if os.path.exists(os.path.join(out, f))]
+    if run_files and not os.path.exists(spec_path):   # a run's directory (finished, or running now)
+        raise ConfigError(f"--out {out} holds a run ({run_files[0]}): give the sweep a directory of its own")
+    os.makedirs(out, exist_ok=True)
 
     def write_spec():   # whole, by a rename
         with open(spec_path + ".tmp", "w") as f:
