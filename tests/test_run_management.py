@@ -201,16 +201,24 @@ def test_report_table_and_figures(tmp_path, reference, capsys):
     out = capsys.readouterr().out
     assert "| pfedkdh | digits |" in out
     assert (tmp_path / "comparison.png").stat().st_size > 1000
-    assert (Path(reference) / "clients.png").stat().st_size > 1000
+    assert (tmp_path / f"clients-{Path(reference).name}.png").stat().st_size > 1000   # into --out, not the run
     assert cli.main(["report", str(tmp_path / "nothing")]) == 2
     # two sweeps' points of one name are told apart, and a method's own options shown
     from pfedkdh_jax.run.report import table
-    runs = [{"dir": f"/w/{s}/points/digits-a0.1-fedprox", "rows": [], "summary": {},
+    runs = [{"dir": f"/w/{s}/points/digits-a0.1-fedprox", "rows": [], "summary": {"status": "completed"},
              "config": {"method": "fedprox", "method_args": [["mu", mu]], "dataset": "digits", "alpha": 0.1}}
             for s, mu in (("s1", "0.1"), ("s2", "0.01"))]
     text = table(runs)
     assert "| s1/points/digits-a0.1-fedprox | fedprox mu=0.1 |" in text
     assert "| s2/points/digits-a0.1-fedprox | fedprox mu=0.01 |" in text
+    # a run that did not complete says so; one of one round marks its time, which includes compiling
+    runs[0]["summary"] = {"status": "diverged at round 1", "seconds_per_round": 22.1,
+                          "seconds_per_round_includes_compile": True}
+    runs[1]["summary"] = {}
+    text = table(runs)
+    assert "| s1/points/digits-a0.1-fedprox (diverged at round 1) | fedprox mu=0.1 |" in text and "22.10 † |" in text
+    assert "| s2/points/digits-a0.1-fedprox (interrupted: no summary) |" in text
+    assert text.endswith("† a run of one round: its seconds per round include compiling")
 
 
 def test_checkpoint_files_hold_the_state_and_refuse_another_shape(tmp_path):

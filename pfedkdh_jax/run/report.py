@@ -5,6 +5,11 @@
 * ``comparison.png``: personalized macro accuracy vs round, one line per run, with a ± std band where
   the rows carry ``*_std`` (the way the paper's convergence figure reads);
 * ``clients.png`` per run: final per-client accuracy and the label histogram of every client.
+
+A run that did not complete says so on its row (its status: diverged, interrupted); a run of one round
+marks its seconds per round, which then include compiling. The figures go to ``--out`` (``clients-NAME.png``
+per run there); without it, ``comparison.png`` goes into the first run's directory and each
+``clients.png`` into its run's.
 """
 
 from __future__ import annotations
@@ -53,15 +58,24 @@ def table(runs: list[dict]) -> str:
             "s/round | rounds |")
     lines = [head, "|" + "---|" * 9]
     names = _names([r["dir"] for r in runs])
+    compiled = False
     for r, name in zip(runs, names):
         c, s = r["config"], r["summary"]
         spr = s.get("seconds_per_round")
         if (c.get("validation_fraction") or 0) > 0:   # not test accuracies: say so on the row
             name += " (validation split)"
+        status = s.get("status") if s else "interrupted: no summary"
+        if status and status != "completed":
+            name += f" ({status})"
+        mark = ""
+        if s.get("seconds_per_round_includes_compile"):
+            mark, compiled = " †", True
         method = " ".join([str(c.get("method"))] + [f"{k}={v}" for k, v in c.get("method_args") or []])
         lines.append(f"| {name} | {method} | {c.get('dataset')} | "
                      f"{c.get('alpha')} | {_pm(s, KEY)} | {_pm(s, 'best_' + KEY)} | {_pm(s, KEY + '_ea')} | "
-                     f"{'–' if spr is None else f'{spr:.2f}'} | {s.get('rounds_completed', len(r['rows']))} |")
+                     f"{'–' if spr is None else f'{spr:.2f}{mark}'} | {s.get('rounds_completed', len(r['rows']))} |")
+    if compiled:
+        lines.append("\n† a run of one round: its seconds per round include compiling")
     return "\n".join(lines)
 
 
@@ -142,12 +156,14 @@ def main(run_dirs: list[str], out: str | None = None) -> int:
         print(f"pfedkdh: error: {e}", file=sys.stderr)
         return 2
     print(table(runs))
+    given = out is not None
     out = out or run_dirs[0]
     os.makedirs(out, exist_ok=True)
     comparison_figure(runs, os.path.join(out, "comparison.png"))
     written = [os.path.join(out, "comparison.png")]
-    for r in runs:
-        p = os.path.join(r["dir"], "clients.png")
+    for r, name in zip(runs, _names(run_dirs)):
+        p = (os.path.join(out, f"clients-{name.replace(os.sep, '_')}.png") if given
+             else os.path.join(r["dir"], "clients.png"))
         if clients_figure(r, p):
             written.append(p)
     print("figures: " + ", ".join(written))
