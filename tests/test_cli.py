@@ -67,6 +67,7 @@ def test_bad_input_is_one_clear_line(args, option, capsys, tmp_path):
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pfedkdh: error:") and option in err
+    assert not (tmp_path / "unused").exists()   # no empty run directory left behind
 
 
 @pytest.mark.parametrize("flag", ["--lr", "--alpha", "--mu", "--lam"])

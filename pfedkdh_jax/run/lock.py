@@ -53,13 +53,20 @@ def _take(run_dir: str) -> str:
 
 @contextlib.contextmanager
 def locked(run_dirs):
-    """Hold ``run.lock`` in every one of ``run_dirs`` for the duration of the block."""
-    taken = []
+    """Hold ``run.lock`` in every one of ``run_dirs`` for the duration of the block; a directory made
+    here that the block left empty (a run stopped by a bad option or missing data before it wrote
+    anything) is removed with its lock."""
+    taken, made = [], []
     try:
         for d in run_dirs:
+            if not os.path.exists(d):
+                made.append(d)
             taken.append(_take(d))
         yield
     finally:
         for path in taken:
             with contextlib.suppress(OSError):
                 os.remove(path)
+        for d in made:
+            with contextlib.suppress(OSError):   # only if empty
+                os.rmdir(d)
