@@ -257,6 +257,24 @@ def _in_stored_order(sweep: Sweep, stored: dict) -> Sweep:
     return dataclasses.replace(sweep, **changes)
 
 
+def _same_points(stored: dict, sweep: Sweep, out: str) -> bool:
+    """Whether the sweep stored as ``stored`` (a sweep.json) has the same points, each with the same
+    run config, as ``sweep``: e.g. a flag given now at the value the preset gave before."""
+    def config_of(s):
+        return [(name, {k: v for k, v in cfg.to_dict().items() if k != "out"}) for name, cfg in points(s, out)]
+    try:
+        pairs = lambda items: tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in items or [])  # noqa: E731
+        old = Sweep(datasets=tuple(stored["datasets"]), alphas=tuple(stored["alphas"]),
+                    methods=tuple(stored["methods"]), seeds=stored.get("seeds", 1), grid=pairs(stored.get("grid")),
+                    preset=stored.get("preset", "default"), options=pairs(stored.get("options")),
+                    method_args=tuple((m, tuple(tuple(a) for a in args))
+                                      for m, args in stored.get("method_args") or []),
+                    stack=bool(stored.get("stack")))
+        return config_of(old) == config_of(sweep)
+    except (ConfigError, KeyError, TypeError, ValueError):   # a stored grid this code cannot rebuild: not the same
+        return False
+
+
 def _spec_value(value) -> str:
     """A sweep.json field as one short line."""
     if isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value):
@@ -311,6 +329,8 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
         if added:
             log(f"the sweep grows: {added}; its finished points are kept")
             return False
+        if _same_points(stored, sweep, out):   # other words for the same runs (a flag at the preset's value)
+            return True
         key = next(k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
         was, now = old.get(key), new.get(key)
         if key == "options":   # name the run option that differs
