@@ -107,6 +107,9 @@ def test_a_pfedkdh_flag_named_like_a_methods_own_option_points_to_it(capsys):
         assert make_config("smoke", method="fedprox", method_args=((key, "0.5"),)).method_args == (("mu", "0.5"),)
     with pytest.raises(ConfigError, match="'fedavg:mu' is not an option of fedprox .*; this run's method is fedprox"):
         make_config("smoke", method="fedprox", method_args=(("fedavg:mu", "0.5"),))
+    with pytest.raises(ConfigError, match=r"'zz' is not an option of pfedkdh \(it takes no --method-arg; its options "
+                                          r"are the run's flags"):
+        make_config("smoke", method="pfedkdh", method_args=(("zz", "1"),))
 
 
 def test_the_count_of_clients_from_flags_file_and_rounding(tmp_path, monkeypatch, capsys, registry):

@@ -185,9 +185,10 @@ def parse_method_args(method: str, pairs, cfg=None) -> dict[str, Any]:
     out = dict(spec.args)
     for key, text in pairs:
         if key not in spec.args:
-            allowed = ", ".join(sorted(spec.args)) or "none"
+            allowed = (f"its own options: {', '.join(sorted(spec.args))}" if spec.args else
+                       "it takes no --method-arg; its options are the run's flags: pfedkdh run --help")
             hint = f"; this run's method is {method}" if ":" in key else ""
-            raise ValueError(f"--method-arg {key!r} is not an option of {method} (allowed: {allowed}){hint}")
+            raise ValueError(f"--method-arg {key!r} is not an option of {method} ({allowed}){hint}")
         out[key] = _parse_option(key, text, spec.option_kinds[key])
     fields = {f.name: f for f in spec.config.own_options()}
     for key, value in out.items():

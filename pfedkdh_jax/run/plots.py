@@ -6,6 +6,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 CURVES = (("personalized_macro_accuracy", "personalized (Fair), macro"),
           ("personalized_macro_accuracy_ea", "personalized (EA), macro"),
@@ -23,6 +24,7 @@ def plot_curves(history: list[dict], path: str, title: str = "") -> None:
                 ax.fill_between(xs, [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)],
                                 color=line.get_color(), alpha=0.2)
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # rounds are whole (a 2-round run: no 1.2, 1.4)
     ax.set_ylabel("accuracy (%)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
