@@ -136,6 +136,10 @@ def test_the_count_of_clients_from_flags_file_and_rounding(tmp_path, monkeypatch
     assert cli.main([*plain, "--config", str(preset)]) == 0
     assert cli.main([*plain, "--config", str(preset), "--preset", "default"]) == 0
     assert [c.rounds for c in seen[-2:]] == [2, 20]
+    py = tmp_path / "smoke_file.py"   # a .py file naming the smoke preset is asked for its smoke values
+    py.write_text("def get_config(smoke=False):\n    return {'preset': 'smoke', 'local_epochs': 1 if smoke else 5}\n")
+    assert cli.main([*plain, "--config", str(py)]) == 0
+    assert (seen[-1].rounds, seen[-1].local_epochs) == (2, 1)
     assert cli.main([*run, "--config", str(both)]) == 2
     assert "give participation (0.3) or per_round (3), not both" in capsys.readouterr().err
     assert make_config("smoke", num_clients=25, participation=0.5).clients_per_round == 12

@@ -802,12 +802,18 @@ def test_a_users_loop_saves_and_loads_its_state(digits, tmp_path):
     algo = p.FedPer(small_model(), p.FedPerConfig(local_epochs=1, batch_size=32))
     state = algo.init(jax.random.key(0), digits)
     state = jax.jit(p.make_round(algo, p.Layout("vmap", "scan")))(state, digits, jnp.array([0, 1]), jax.random.key(1))[0]
-    carry = {"state": state, "key": jax.random.key(7), "round": jnp.int32(1)}
-    path = p.save_state(tmp_path / "carry.npz", carry)
+    carry = {"state": state, "key": jax.random.key(7), "round": jnp.int32(1), "step": 3}
+    path = p.save_state(tmp_path / "deeper" / "carry.npz", carry)   # its folder made, no temporary left
+    assert sorted(x.name for x in (tmp_path / "deeper").iterdir()) == ["carry.npz"]
     back = p.load_state(path, carry)
+    assert back["step"] == 3 and isinstance(back["step"], int)
+    from pfedkdh_jax.run.checkpoint import Checkpoints   # a run's checkpoints take typed keys too
+    ck = Checkpoints(str(tmp_path / "run"), {"config": "c"})
+    ck.save(1, carry, [])
+    assert np.array_equal(jax.random.key_data(ck.restore_latest(carry)[1]["key"]), jax.random.key_data(carry["key"]))
+    plain = lambda x: jax.random.key_data(x) if getattr(x, "dtype", None) == carry["key"].dtype else x  # noqa: E731
     for a, b in zip(jax.tree_util.tree_leaves(carry), jax.tree_util.tree_leaves(back)):
-        assert np.array_equal(jax.random.key_data(a) if a.dtype == carry["key"].dtype else a,
-                              jax.random.key_data(b) if b.dtype == carry["key"].dtype else b)
+        assert np.array_equal(plain(a), plain(b))
     assert back["key"].dtype == carry["key"].dtype
     other = p.FedPer(p.LinenModel(SmallBackbone(), nn.Dense(10))).init(jax.random.key(0), p.from_arrays(
         load_pool("digits").images[:600], load_pool("digits").labels[:600], num_clients=5, alpha=1.0, aux_size=60))
@@ -816,3 +822,9 @@ def test_a_users_loop_saves_and_loads_its_state(digits, tmp_path):
         p.load_state(path, {**carry, "state": other})
     with pytest.raises(ValueError, match="does not exist"):
         p.load_state(tmp_path / "none.npz", carry)
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(pathlib.Path(path).read_bytes()[:200])
+    with pytest.raises(ValueError, match="is not a state written by save_state"):
+        p.load_state(cut, carry)
+    with pytest.raises(ValueError, match="like holds an abstract random key"):
+        p.load_state(path, jax.eval_shape(lambda: carry))

@@ -171,11 +171,18 @@ def test_a_fresh_run_never_writes_over_a_run_or_a_sweep(tmp_path, reference, cap
     assert sorted(p.name for p in reference.iterdir()) == files
     starting = tmp_path / "starting"
     starting.mkdir()
-    (starting / "run.lock").write_text("1 host")
+    import socket
+    (starting / "run.lock").write_text(f"{socket.gethostname()} {os.getpid()}")   # a live process, starting
     assert cli.main(["sweep", "--preset", "smoke", "--out", str(starting), "--no-progress"]) == 2
     assert "holds a run (run.lock)" in capsys.readouterr().err
     assert cli.main(["resume", str(starting), "--no-progress"]) == 2
-    assert "no config.json: the run there stopped before it started, or is starting now" in capsys.readouterr().err
+    assert "no config.json yet: the run there is starting now" in capsys.readouterr().err
+    (starting / "run.lock").write_text(f"{socket.gethostname()} 4194305")   # above Linux's pid_max: gone
+    assert cli.main(["resume", str(starting), "--no-progress"]) == 2
+    assert "no config.json: the run there stopped before it started; run its command again" in capsys.readouterr().err
+    # a run stopped early removes the folders it made for --out, not the ones that were there
+    assert cli.main(["run", "--aux-size", "1797", "--no-progress", "--out", str(tmp_path / "n" / "a" / "b")]) == 2
+    assert not (tmp_path / "n").exists()
 
 
 def test_config_files(tmp_path):

@@ -244,11 +244,13 @@ def test_another_grid_in_a_sweep_directory_names_what_differs(tmp_path, capsys):
             run_sweep(sweep, str(out))
     assert sorted(p.name for p in out.iterdir()) == ["sweep.json"]
     # a flag at the value the preset gave is the same grid in other words: the same points, the same configs
-    from pfedkdh_jax.run.sweep import _same_points
-    assert _same_points(stored.to_json(), make_sweep(["digits"], [0.5], ["fedper"], options={**SMALL, "batch_size": 64}),
-                        str(out))
-    assert not _same_points(stored.to_json(), make_sweep(["digits"], [0.5], ["fedper"], options={**SMALL, "rounds": 3}),
-                            str(out))
+    from pfedkdh_jax.run.sweep import _in_other_words
+    same = {**SMALL, "batch_size": 64}
+    assert _in_other_words(stored.to_json(), make_sweep(["digits"], [0.5], ["fedper"], options=same), str(out)) == ""
+    assert _in_other_words(stored.to_json(), make_sweep(["digits"], [0.5], ["fedper", "fedavg"], options=same),
+                           str(out)) == "+ methods fedavg"   # and grown by a method beside it
+    assert _in_other_words(stored.to_json(), make_sweep(["digits"], [0.5], ["fedper"], options={**SMALL, "rounds": 3}),
+                           str(out)) is None
     # a sweep directory is not a run directory: resume and report say where its runs are
     assert cli_main(["resume", str(out)]) == 2
     assert "it holds a sweep; its runs are its points/*" in capsys.readouterr().err

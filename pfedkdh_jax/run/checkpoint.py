@@ -15,11 +15,13 @@ from its seeds and the round number, so the round counter restores them exactly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import time
+import zipfile
 from typing import Any
 
 import jax
@@ -87,7 +89,7 @@ class Checkpoints:
         os.makedirs(tmp)
         os.makedirs(os.path.join(tmp, "state"))
         with open(os.path.join(tmp, "state", LEAVES), "wb") as f:
-            np.savez(f, *[np.asarray(x) for x in jax.tree_util.tree_leaves(jax.device_get(state))])
+            np.savez(f, *_host_leaves(state))
             f.flush()
             os.fsync(f.fileno())
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -148,14 +150,19 @@ def save_state(path: str, state: Any) -> str:
     key data), atomically: written under a temporary name, renamed when complete, so a process killed
     mid-save leaves the previous file whole. Returns ``path``. :func:`load_state` reads it back."""
     path = os.fspath(path)
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{os.path.basename(path)}")
-    leaves = [np.asarray(jax.random.key_data(x) if _is_key(x) else x)
-              for x in jax.tree_util.tree_leaves(jax.device_get(state))]
-    with open(tmp, "wb") as f:
-        np.savez(f, *leaves)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".tmp-{os.path.basename(path)}")
+    leaves = _host_leaves(state)
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, *leaves)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):   # a save that failed leaves no temporary behind
+            os.remove(tmp)
     return path
 
 
@@ -167,16 +174,29 @@ def load_state(path: str, like: Any) -> Any:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ValueError(f"load_state: {path!r} does not exist")
+    if any(_is_key(t) and not isinstance(t, jax.Array) for t in jax.tree_util.tree_leaves(like)):
+        raise ValueError("load_state: like holds an abstract random key (a jax.eval_shape state): give a concrete "
+                         "state, e.g. algo.init(key, data)")
     try:
         return _read_leaves(path, like)
-    except (OSError, EOFError, KeyError) as e:   # numpy's failures on a file that is not a .npz of ours
-        raise ValueError(f"load_state: {path!r} is not a state written by save_state ({type(e).__name__})") from None
-    except ValueError as e:
+    except _LeafMismatch as e:
         raise ValueError(f"load_state: {path}: {e}") from None
+    except (OSError, EOFError, KeyError, ValueError, TypeError, zipfile.BadZipFile) as e:   # not a .npz of ours
+        raise ValueError(f"load_state: {path!r} is not a state written by save_state ({type(e).__name__})") from None
 
 
 def _is_key(x) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+class _LeafMismatch(ValueError):
+    """A file's leaves that do not fit the state they are read into."""
+
+
+def _host_leaves(state: Any) -> list[np.ndarray]:
+    """``state``'s leaves on the host, in flattening order (typed random keys as their key data)."""
+    return [np.asarray(jax.random.key_data(x) if _is_key(x) else x)
+            for x in jax.tree_util.tree_leaves(jax.device_get(state))]
 
 
 def _read_leaves(file: str, target: Any) -> Any:
@@ -184,17 +204,23 @@ def _read_leaves(file: str, target: Any) -> Any:
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     with np.load(file) as z:
         if len(z.files) != len(flat):
-            raise ValueError(f"{len(z.files)} arrays for a state of {len(flat)} leaves")
+            raise _LeafMismatch(f"{len(z.files)} arrays for a state of {len(flat)} leaves")
         got = [z[f"arr_{i}"] for i in range(len(flat))]
     out = []
     for (where, t), a in zip(flat, got):
-        want = jax.random.key_data(t) if _is_key(t) else t
+        want = jax.random.key_data(t) if _is_key(t) else t if hasattr(t, "shape") else np.asarray(t)
         if a.shape != tuple(want.shape) or a.dtype != want.dtype:
-            raise ValueError(f"leaf {jax.tree_util.keystr(where)} is {a.dtype}{list(a.shape)}, the state's is "
-                             f"{want.dtype}{list(want.shape)}")
+            raise _LeafMismatch(f"leaf {jax.tree_util.keystr(where)} is {a.dtype}{list(a.shape)}, the state's is "
+                                f"{want.dtype}{list(want.shape)}")
         if _is_key(t):
             a = jax.random.wrap_key_data(a, impl=jax.random.key_impl(t))
-        out.append(jax.device_put(a, t.sharding) if isinstance(t, jax.Array) else a)
+        if isinstance(t, jax.Array):
+            a = jax.device_put(a, t.sharding)
+        elif isinstance(t, jax.ShapeDtypeStruct):
+            a = jax.numpy.asarray(a)
+        elif not hasattr(t, "shape"):   # a Python number: given back as one
+            a = a.item()
+        out.append(a)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -217,8 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
         sw.add_argument(flag, dest=field, action="store_const", const=value, default=None, help=hlp)
     rep = sub.add_parser("report", help="compare finished runs: a table and a figure")
     rep.add_argument("run_dirs", nargs="+")
-    rep.add_argument("--out", default=None, help="directory for comparison.png (default: the first run dir); "
-                                                 "clients.png goes into each run dir")
+    rep.add_argument("--out", default=None, help="directory for every figure: comparison.png and clients-RUN.png "
+                                                 "per run (default: comparison.png into the first run dir and "
+                                                 "clients.png into each run dir)")
     p.commands = {"run": r, "resume": res, "sweep": sw, "report": rep}
     return p
 
@@ -253,6 +254,15 @@ def load_config_file(path: str, smoke: bool = False) -> dict:
     if "method_args" in values:
         values["method_args"] = tuple(tuple(p) for p in values["method_args"])
     return values
+
+
+def _config_file(args) -> dict:
+    """``--config``'s options, its ``get_config`` told whether the preset is smoke: by ``--preset``, or,
+    without the flag, by the file's own ``"preset"`` (it is then read again with ``smoke=True``)."""
+    spec = load_config_file(args.config, smoke=args.preset == "smoke")
+    if args.preset is None and spec.get("preset") == "smoke" and args.config.endswith(".py"):
+        spec = load_config_file(args.config, smoke=True)
+    return spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,7 +314,7 @@ def _command(args) -> int:
         _one_count_of_clients(args)
         preset_name = args.preset
         if args.config:
-            spec = _file_under_flags(load_config_file(args.config, smoke=args.preset == "smoke"), args)
+            spec = _file_under_flags(_config_file(args), args)
             file_preset = spec.pop("preset", None)
             preset_name = preset_name or file_preset   # a --preset flag wins over the file's
             values = {**spec, **values}
@@ -345,7 +355,7 @@ def _sweep(args) -> int:
 
     try:
         _one_count_of_clients(args)
-        spec = load_config_file(args.config, smoke=args.preset == "smoke") if args.config else {}
+        spec = _config_file(args) if args.config else {}
         spec = _file_under_flags(spec, args)
         axes = {k: spec.pop(k) for k in ("datasets", "alphas", "methods", "seeds", "grid", "preset",
                                          "method_args", "stack") if k in spec}

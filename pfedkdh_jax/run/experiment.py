@@ -32,7 +32,7 @@ from pfedkdh_jax.engine.layout import Layout, Workload
 from pfedkdh_jax.engine.local import tree_stack
 from pfedkdh_jax.engine.runner import PhasedRunner, sample_schedule
 from pfedkdh_jax.run.checkpoint import CheckpointError, Checkpoints, fingerprint
-from pfedkdh_jax.run.lock import locked
+from pfedkdh_jax.run.lock import held_by_a_live_process, locked
 from pfedkdh_jax.run.config import ConfigError, RunConfig, fused_steps, slot_granule, validate
 from pfedkdh_jax.run import preflight, records
 
@@ -652,8 +652,10 @@ def load_run_config(run_dir: str, **overrides) -> RunConfig:
     if not os.path.exists(path):
         hint = (": it holds a sweep; its runs are its points/* (to continue the sweep, run its command again)"
                 if os.path.exists(os.path.join(run_dir, "sweep.json")) else
-                " (no config.json: the run there stopped before it started, or is starting now; run its command "
-                "again)" if os.path.exists(os.path.join(run_dir, "run.lock")) else " (no config.json)")
+                " (no config.json yet: the run there is starting now; its run.lock names the process)"
+                if held_by_a_live_process(run_dir) else
+                " (no config.json: the run there stopped before it started; run its command again)"
+                if os.path.exists(os.path.join(run_dir, "run.lock")) else " (no config.json)")
         raise CheckpointError(f"{run_dir} is not a run directory{hint}")
     with open(path) as f:
         stored = json.load(f)

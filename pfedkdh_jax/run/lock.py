@@ -31,9 +31,12 @@ def _take(run_dir: str) -> str:
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, LOCK)
     me = f"{socket.gethostname()} {os.getpid()}"
-    for _ in range(2):
+    for _ in range(3):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileNotFoundError:   # the empty directory was just removed by a run that stopped early
+            os.makedirs(run_dir, exist_ok=True)
+            continue
         except FileExistsError:
             try:
                 with open(path) as f:
@@ -59,14 +62,39 @@ def locked(run_dirs):
     taken, made = [], []
     try:
         for d in run_dirs:
-            if not os.path.exists(d):
-                made.append(d)
+            made.append(_missing_dirs(d))
             taken.append(_take(d))
         yield
     finally:
         for path in taken:
             with contextlib.suppress(OSError):
                 os.remove(path)
-        for d in made:
-            with contextlib.suppress(OSError):   # only if empty
-                os.rmdir(d)
+        for dirs in made:   # deepest first, each only if empty
+            for d in dirs:
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
+
+
+def held_by_a_live_process(run_dir: str) -> bool:
+    """Whether ``run_dir``'s ``run.lock`` names a process that is running (on this host; another host's
+    lock counts as live)."""
+    try:
+        with open(os.path.join(run_dir, LOCK)) as f:
+            host, pid = f.read().split()
+    except (OSError, ValueError):
+        return False
+    return host != socket.gethostname() or _alive(int(pid))
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist yet, deepest first (what taking its lock makes)."""
+    out, d = [], os.path.abspath(path)
+    while not os.path.exists(d):
+        out.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    return out

@@ -64,7 +64,9 @@ def table(runs: list[dict]) -> str:
         spr = s.get("seconds_per_round")
         if (c.get("validation_fraction") or 0) > 0:   # not test accuracies: say so on the row
             name += " (validation split)"
-        status = s.get("status") if s else "interrupted: no summary"
+        status = s.get("status") if s else (
+            "running, or stopped: no summary" if os.path.exists(os.path.join(r["dir"], "run.lock")) else
+            "interrupted: no summary")
         if status and status != "completed":
             name += f" ({status})"
         mark = ""

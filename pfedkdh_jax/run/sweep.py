@@ -257,11 +257,14 @@ def _in_stored_order(sweep: Sweep, stored: dict) -> Sweep:
     return dataclasses.replace(sweep, **changes)
 
 
-def _same_points(stored: dict, sweep: Sweep, out: str) -> bool:
-    """Whether the sweep stored as ``stored`` (a sweep.json) has the same points, each with the same
-    run config, as ``sweep``: e.g. a flag given now at the value the preset gave before."""
+def _in_other_words(stored: dict, sweep: Sweep, out: str) -> str | None:
+    """``sweep`` against the sweep stored as ``stored`` (a sweep.json) where their options or preset
+    are written differently (a flag given now at the value the preset gave before): ``""`` when they
+    have the same points, each with the same run config; what ``sweep`` adds (as :func:`_added` says
+    it) when it holds every stored point with the same config and grows by datasets, α or methods
+    only; ``None`` otherwise (another sweep)."""
     def config_of(s):
-        return [(name, {k: v for k, v in cfg.to_dict().items() if k != "out"}) for name, cfg in points(s, out)]
+        return {name: {k: v for k, v in cfg.to_dict().items() if k != "out"} for name, cfg in points(s, out)}
     try:
         pairs = lambda items: tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in items or [])  # noqa: E731
         old = Sweep(datasets=tuple(stored["datasets"]), alphas=tuple(stored["alphas"]),
@@ -270,9 +273,15 @@ def _same_points(stored: dict, sweep: Sweep, out: str) -> bool:
                     method_args=tuple((m, tuple(tuple(a) for a in args))
                                       for m, args in stored.get("method_args") or []),
                     stack=bool(stored.get("stack")))
-        return config_of(old) == config_of(sweep)
+        before, now = config_of(old), config_of(sweep)
     except (ConfigError, KeyError, TypeError, ValueError):   # a stored grid this code cannot rebuild: not the same
-        return False
+        return None
+    if any(now.get(name) != cfg for name, cfg in before.items()):
+        return None
+    if before.keys() == now.keys():
+        return ""
+    loose = {"options": None, "preset": None}   # compared through the points' configs above
+    return _added({**_grid_of(stored), **loose}, {**_grid_of(sweep.to_json()), **loose}) or None
 
 
 def _spec_value(value) -> str:
@@ -329,8 +338,12 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
         if added:
             log(f"the sweep grows: {added}; its finished points are kept")
             return False
-        if _same_points(stored, sweep, out):   # other words for the same runs (a flag at the preset's value)
+        said = _in_other_words(stored, sweep, out)   # e.g. a flag at the value the preset gave before
+        if said == "":
             return True
+        if said:
+            log(f"the sweep grows: {said}; its finished points are kept")
+            return False
         key = next(k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
         was, now = old.get(key), new.get(key)
         if key == "options":   # name the run option that differs
