@@ -226,9 +226,9 @@ def why_missing(res: dict) -> str:
         method = row.split("-lam")[0]
         by[method] = by.get(method, 0.0) + point_hours(res, row, col)
     top = sorted(by.items(), key=lambda kv: -kv[1])[:3]
-    return (f" **Why:** CPU time. The studies' {len(pts)} unfinished points (Table 2: {len(todo['table2'])} of "
+    return (f" **Why:** CPU time. The studies' {len(pts)} unfinished point{'s' if len(pts) != 1 else ''} (Table 2: {len(todo['table2'])} of "
             f"{res['table2']['meta']['points']}; CIFAR-10: {len(todo['cifar10'])} of {res['cifar10']['meta']['points']}) "
-            f"need about {sum(by.values()):.1f} h of training on the 2-core CPU at the cost table's rates "
+            f"need{'s' if len(pts) == 1 else ''} about {sum(by.values()):.1f} h of training on the 2-core CPU at the cost table's rates "
             f"({ROUNDS} rounds "
             f"a point; FedFed {res['costs']['methods']['fedfed']['phase_a_rounds']} rounds of phase A, then phase B; "
             f"a CIFAR-10 round taken as {cifar_round_factor(res):.2f}× an MNIST round, the median ratio of our rounds in "
