@@ -131,7 +131,7 @@ def test_integer_inputs_reach_a_users_embedding_in_every_probe():
         assert np.isfinite(float(metrics["train_loss"])), name
     with pytest.raises(ValueError, match=r"LinenModel.init\(key, \(5,\)\) failed.*input_dtype=jnp.int32"):
         p.FedAvg(p.LinenModel(TokenBackbone(), nn.Dense(3))).init(jax.random.key(0), data)
-    with pytest.raises(ValueError, match=r"LinenModel.init\(key, \(5,\)\) failed for the data's inputs") as e:
+    with pytest.raises(ValueError, match=r"LinenModel.init\(key, \(5,\)\) failed on the data's inputs") as e:
         p.FedAvg(small_model()).init(jax.random.key(0), data)   # an image model on token rows: named, one line
     assert "\n" not in str(e.value)
     from pfedkdh_jax.run import preflight   # the run's memory pre-flight compiles a step on the data's dtype

@@ -151,8 +151,8 @@ def init_params(model: Model, key: jax.Array, input_shape: tuple[int, ...], num_
     try:
         params = jax.eval_shape(lambda k: model.init(k, shape), key)
     except (TypeError, ValueError) as e:
-        raise type(e)(f"{name}.init(key, {shape}) failed for the data's inputs of shape {shape}"
-                      f"{_dtype_hint(model, input_dtype)}: {_first_line(e)}") from e
+        raise type(e)(f"{name}.init(key, {shape}) failed on the data's inputs{_dtype_hint(model, input_dtype)}: "
+                      f"{_first_line(e)}") from e
     if not isinstance(params, dict) or set(params) != {"backbone", "head"}:
         got = f"a dict with keys {sorted(params)}" if isinstance(params, dict) else f"a {type(params).__name__}"
         raise ValueError(f"{name}.init(key, {shape}) must return {{'backbone': ..., 'head': ...}}; got {got}")
@@ -165,7 +165,7 @@ def init_params(model: Model, key: jax.Array, input_shape: tuple[int, ...], num_
         z = jax.eval_shape(lambda p, x: model.features(p["backbone"], x), params, x)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{name}.features(backbone, x) failed for x of shape {(2, *shape)} and dtype "
-                         f"{jnp.dtype(input_dtype).name} (the data's): {_first_line(e)}") from e
+                      f"{jnp.dtype(input_dtype).name} (the data's): {_first_line(e)}") from e
     if getattr(z, "ndim", None) != 2 or z.shape[0] != 2:
         raise ValueError(f"{name}.features(backbone, x) must return [B, D] features for x of shape "
                          f"{(2, *shape)}; got shape {getattr(z, 'shape', type(z).__name__)}")
@@ -173,7 +173,7 @@ def init_params(model: Model, key: jax.Array, input_shape: tuple[int, ...], num_
         out = jax.eval_shape(lambda p, z: model.logits_from_features(p["head"], z), params, z)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{name}.logits_from_features(head, z) failed for features z of shape {z.shape}: "
-                         f"{_first_line(e)}") from e
+                      f"{_first_line(e)}") from e
     if getattr(out, "shape", None) != (2, num_classes):
         raise ValueError(f"{name}.logits_from_features(head, z) must return [B, {num_classes}] logits "
                          f"(the data's classes) for z of shape {z.shape}; got shape {getattr(out, 'shape', None)}")
@@ -291,7 +291,7 @@ class Algorithm:
         model = getattr(self, "model", None)
         if model is not None:
             check_model(model, f"{type(self).__name__}(model=...)")
-        declares = "config" in type(self).__dict__.get("__annotations__", {})
+        declares = "config" in inspect.get_annotations(type(self))
         field = {f.name: f for f in dataclasses.fields(self)}.get("config") if dataclasses.is_dataclass(self) else None
         if declares and field is not None and dataclasses.is_dataclass(field.default):
             want, got = type(field.default), self.config
