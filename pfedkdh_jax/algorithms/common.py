@@ -18,7 +18,7 @@ import optax
 
 from pfedkdh_jax import losses
 from pfedkdh_jax.algorithms.configs import LocalConfig
-from pfedkdh_jax.data.device import FederatedData, gather_inputs
+from pfedkdh_jax.data.device import FederatedData, check_data, gather_inputs
 from pfedkdh_jax.data.sources import dataset_model
 from pfedkdh_jax.engine import client_rows
 from pfedkdh_jax.engine.client_rows import ClientRows
@@ -50,10 +50,7 @@ def init_params(model: Model, key: jax.Array, data: FederatedData):
 def check_init_args(key, data) -> None:
     """A ``TypeError`` naming ``key`` or ``data`` of a method's ``init(key, data)`` when it is not a JAX
     random key (typed, or a legacy ``uint32 [..., 2]``) or not a :class:`FederatedData`."""
-    if not isinstance(data, FederatedData):
-        hint = (": build it with from_arrays(pool.images, pool.labels, ...)" if hasattr(data, "images") else
-                " (pfedkdh_jax.from_arrays)")
-        raise TypeError(f"init(key, data): data must be a FederatedData{hint}; got a {type(data).__name__}")
+    check_data(data, "init(key, data)")
     dtype, shape = getattr(key, "dtype", None), tuple(getattr(key, "shape", ()))
     typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
     legacy = dtype == jnp.uint32 and shape[-1:] in ((2,), (4,))

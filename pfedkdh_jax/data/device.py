@@ -282,6 +282,16 @@ def from_arrays(inputs, labels, *, client_ids=None, num_clients: int | None = No
     return build_federated_data(pool, partition, eval_chunk=eval_chunk)
 
 
+def check_data(data, where: str, pointer: bool = True) -> None:
+    """A ``TypeError`` naming ``where`` when ``data`` is not a :class:`FederatedData` (a pool, a tuple of
+    arrays); ``pointer``: say how to build one (a pool's own arrays through :func:`from_arrays`)."""
+    if isinstance(data, FederatedData):
+        return
+    how = ((": build it with from_arrays(pool.images, pool.labels, ...)" if hasattr(data, "images") else
+            " (pfedkdh_jax.from_arrays)") if pointer else "")
+    raise TypeError(f"{where}: data must be a FederatedData{how}; got a {type(data).__name__}")
+
+
 def gather_inputs(data: FederatedData, pool_idx: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Inputs and labels of the given pool indices, on device: uint8 pixels normalised to [-1, 1]
     (float32) when ``data.normalize``, else the inputs as stored."""

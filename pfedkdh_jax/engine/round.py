@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, StateError, check_pieces
-from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.data.device import FederatedData, check_data
 from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
 from pfedkdh_jax.engine.sharding import per_device
@@ -176,9 +176,7 @@ def check_state_clients(algo: Algorithm, state, data: FederatedData, where: str,
     silently). Read from the shapes of the method's evaluation heads (``eval_models``, ``[K, ...]``;
     ``[R, K, ...]`` with ``rep_axis``); a method whose evaluation has no heads is not checked. ``data`` of
     another kind is a ``TypeError`` naming ``where``."""
-    if not isinstance(data, FederatedData):
-        raise TypeError(f"{where}: data must be a FederatedData (pfedkdh_jax.from_arrays); got a "
-                        f"{type(data).__name__}")
+    check_data(data, where)
     models = jax.eval_shape(jax.vmap(algo.eval_models) if rep_axis else algo.eval_models, state)
     heads, tree = jax.tree_util.tree_flatten(models.heads)
     if heads:

@@ -44,7 +44,7 @@ import numpy as np
 
 from pfedkdh_jax.engine.protocol import (Algorithm, ProtocolError, check_pieces, prepares_rounds, splits_uploads,
                                          state_change)
-from pfedkdh_jax.data.device import FederatedData, data_axes
+from pfedkdh_jax.data.device import FederatedData, check_data, data_axes
 from pfedkdh_jax.engine import client_rows, scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
 from pfedkdh_jax.engine.layout import AUTO_GRANULE, Layout, Workload, local_training_compiler_options
@@ -572,9 +572,7 @@ class RoundRunner:
         # compile only the narrow step widths that pay (None: full batches only)
         check_one_phase(algo, "RoundRunner(algo, ...)")
         check_pieces(algo, "RoundRunner(algo, ...)")
-        if not isinstance(data, FederatedData):
-            raise TypeError(f"RoundRunner(algo, data): data must be a FederatedData (pfedkdh_jax.from_arrays); "
-                            f"got a {type(data).__name__}")
+        check_data(data, "RoundRunner(algo, data)")
         self.algo, self.reps, self.mesh = algo, reps, mesh
         self.donate_state = donate_state
         state_donation = 0 if donate_state else None
@@ -707,8 +705,7 @@ class RoundRunner:
     def round(self, state, data: FederatedData, selected: np.ndarray, key: jax.Array):
         """One federated round over the clients ``selected`` (host ints ``[C]``, or ``[R, C]`` with
         repetitions; ``key`` then ``[R]``). Returns device values without synchronising."""
-        if not isinstance(data, FederatedData):
-            raise TypeError(f"RoundRunner.round: data must be a FederatedData; got a {type(data).__name__}")
+        check_data(data, "RoundRunner.round", pointer=False)
         selected = checked_selection(selected, data.num_clients, 1 if self.reps is None else 2)
         kind = _kind(state)
         self._check_clients(state, data, "RoundRunner.round", kind)
@@ -867,9 +864,7 @@ class PhasedRunner:
     def __init__(self, algo: Algorithm, data: FederatedData, layout: Layout = Layout(), *,
                  reps: int | None = None, mesh: jax.sharding.Mesh | None = None, hparams: dict | None = None,
                  workload: Workload | None = None, donate_state: bool = False):
-        if not isinstance(data, FederatedData):
-            raise TypeError(f"PhasedRunner(algo, data): data must be a FederatedData (pfedkdh_jax.from_arrays); "
-                            f"got a {type(data).__name__}")
+        check_data(data, "PhasedRunner(algo, data)")
         self.phases = algo.phases
         if hparams is not None and len(self.phases) > 1:
             raise ValueError("stacked hyperparameter values need a method of one phase")

@@ -11,7 +11,7 @@ import re
 import signal
 import sys
 
-from pfedkdh_jax.run.config import METHODS, PRESETS, ConfigError, RunConfig, make_config
+from pfedkdh_jax.run.config import METHODS, PRESETS, ConfigError, RunConfig, make_config, under
 from pfedkdh_jax.data import DATASETS, DataError
 
 def _pfedkdh_flags() -> list[tuple]:
@@ -442,15 +442,8 @@ def _one_count_of_clients(args) -> None:
 
 
 def _file_under_flags(spec: dict, args) -> dict:
-    """A --config file's options under the command line's: a --participation flag sets the count of
-    clients, so the file's per_round (which would win over it) goes, and a --clients-per-round flag's
-    count takes the file's participation's place."""
-    spec = dict(spec)
-    if args.participation is not None:
-        spec.pop("per_round", None)
-    if args.per_round:
-        spec.pop("participation", None)
-    return spec
+    """A --config file's options under the command line's count of clients (:func:`config.under`)."""
+    return under(spec, {"participation": args.participation, "per_round": args.per_round})
 
 
 def _error(e: Exception) -> int:

@@ -166,6 +166,19 @@ def preset(name: str, dataset: str) -> dict[str, Any]:
     return values
 
 
+def under(base: dict, over: dict) -> dict:
+    """``base``'s options to be overridden by ``over``'s, less the one ``over``'s count of clients takes
+    the place of: an explicit ``participation`` replaces a ``per_round`` count (which would otherwise win
+    over it), a ``per_round`` count a ``participation``. For every merge of option sources: a preset
+    under explicit options, a ``--config`` file under flags, a sweep's shared options under a point's."""
+    base = dict(base)
+    if over.get("participation") is not None and not over.get("per_round"):
+        base.pop("per_round", None)
+    if over.get("per_round"):
+        base.pop("participation", None)
+    return base
+
+
 # the command line's flags whose RunConfig field is named otherwise (--clients sets num_clients)
 _FIELD_OF_FLAG = {"clients": "num_clients", "clients_per_round": "per_round"}
 
@@ -192,9 +205,7 @@ def make_config(preset_name: str = "default", **overrides) -> RunConfig:
         raise ConfigError(f"give participation ({overrides['participation']:g}) or per_round "
                           f"({overrides['per_round']}), not both: the count would win")
     dataset = overrides.get("dataset", RunConfig.dataset)
-    values = preset(preset_name, dataset)
-    if overrides.get("participation") is not None and not overrides.get("per_round"):
-        values.pop("per_round", None)   # a preset's count gives way to an explicit participation
+    values = under(preset(preset_name, dataset), overrides)   # a preset's count gives way to a participation
     values.update({k: v for k, v in overrides.items() if v is not None})
     method = values.get("method", RunConfig.method)
     if preset_name == "smoke" and method in METHODS:   # the method's own phases scaled down too

@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 from pfedkdh_jax.algorithms import METHODS, method_arg_value
 from pfedkdh_jax.data.sources import check_available, dataset_names
-from pfedkdh_jax.run.config import ConfigError, RunConfig, canonical_name, make_config, plugins
+from pfedkdh_jax.run.config import ConfigError, RunConfig, canonical_name, make_config, plugins, under
 
 # RunConfig fields that only some methods read (a --grid over one of them applies to those methods)
 _METHOD_FIELDS = {o for spec in METHODS.values() for o in spec.run_options}
@@ -76,6 +76,16 @@ class Sweep:
 
     def to_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_json(cls, spec: dict) -> "Sweep":
+        """The sweep a sweep.json holds (:meth:`to_json`'s lists back as tuples)."""
+        pairs = lambda items: tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in items or [])  # noqa: E731
+        return cls(datasets=tuple(spec["datasets"]), alphas=tuple(spec["alphas"]), methods=tuple(spec["methods"]),
+                   seeds=spec.get("seeds", 1), grid=pairs(spec.get("grid")), preset=spec.get("preset", "default"),
+                   options=pairs(spec.get("options")),
+                   method_args=tuple((m, tuple(tuple(a) for a in args)) for m, args in spec.get("method_args") or []),
+                   stack=bool(spec.get("stack")))
 
 
 def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", options=None,
@@ -188,11 +198,7 @@ def points(sweep: Sweep, out: str = "sweep") -> list[tuple[str, RunConfig]]:
             chosen = dict(zip([k for k, _ in grid], values))
             name = f"{dataset}-a{_fmt(alpha)}-{method}" + "".join(f"-{k}{_fmt(v)}" for k, v in chosen.items())
             options = {k: v for k, v in chosen.items() if k not in own}
-            fixed = dict(sweep.options)   # a grid's count of clients (or share) takes the place of the other
-            if options.get("per_round"):
-                fixed.pop("participation", None)
-            if options.get("participation") is not None:
-                fixed.pop("per_round", None)
+            fixed = under(dict(sweep.options), options)   # a grid's count of clients (or share) wins
             args = tuple(margs.get(method, ())) + tuple((k, str(v)) for k, v in chosen.items() if k in own)
             try:
                 cfg = make_config(sweep.preset, **{**fixed, **options}, dataset=dataset,
@@ -266,14 +272,7 @@ def _in_other_words(stored: dict, sweep: Sweep, out: str) -> str | None:
     def config_of(s):
         return {name: {k: v for k, v in cfg.to_dict().items() if k != "out"} for name, cfg in points(s, out)}
     try:
-        pairs = lambda items: tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in items or [])  # noqa: E731
-        old = Sweep(datasets=tuple(stored["datasets"]), alphas=tuple(stored["alphas"]),
-                    methods=tuple(stored["methods"]), seeds=stored.get("seeds", 1), grid=pairs(stored.get("grid")),
-                    preset=stored.get("preset", "default"), options=pairs(stored.get("options")),
-                    method_args=tuple((m, tuple(tuple(a) for a in args))
-                                      for m, args in stored.get("method_args") or []),
-                    stack=bool(stored.get("stack")))
-        before, now = config_of(old), config_of(sweep)
+        before, now = config_of(Sweep.from_json(stored)), config_of(sweep)
     except (ConfigError, KeyError, TypeError, ValueError):   # a stored grid this code cannot rebuild: not the same
         return None
     if any(now.get(name) != cfg for name, cfg in before.items()):
