@@ -659,7 +659,8 @@ def test_check_method_passes_a_sound_method_and_names_what_a_broken_one_breaks(r
 
 def test_a_traced_personalize_flag_is_named(digits):
     """``personalize`` is static: traced (jit without static_argnames) or an array, it is one TypeError
-    saying so, before anything is traced (before: flax or JAX failed deep in the trace, or not at all)."""
+    saying so, before anything is traced (before: flax or JAX failed deep in the trace, or not at all);
+    asked of a method without a personalization, it is a ValueError."""
     algo = p.FedPer(small_model(), p.FedPerConfig(local_epochs=1))
     key = jax.random.key(0)
     state = algo.init(key, digits)
@@ -669,6 +670,10 @@ def test_a_traced_personalize_flag_is_named(digits):
         jax.jit(evaluate)(state, digits, key, personalize=True)
     with pytest.raises(TypeError, match="personalize must be a Python bool"):
         evaluate(state, digits, key, personalize=jnp.array(True))
+    # FedPer has no personalization: asked for, it is named (before: no *_ea metric, without a word)
+    with pytest.raises(ValueError, match=r"personalize=True: FedPer has no personalization step, so there "
+                                         r"are no \*_ea metrics to add"):
+        evaluate(state, digits, key, personalize=True)
 
 
 def test_plugins_of_one_file_name_in_two_folders_are_two_modules(registry, tmp_path):

@@ -99,14 +99,14 @@ def test_a_stacked_run_equals_its_solo_run(two_partitions, name):
         sel = jnp.asarray(np.stack([SCHEDULE[r][t] for r in range(2)]))
         keys = jnp.stack([jax.random.key(100 * s + t) for s in SEEDS])
         state, _ = batched(state, stacked, sel, keys)
-    evaluate = make_evaluate(algo, Layout(*layout))
-    evals = jax.jit(jax.vmap(lambda s, data, k: evaluate(s, data, k, True), in_axes=(0, d, 0)))(
+    evaluate, ea = make_evaluate(algo, Layout(*layout)), algo.personalization is not None
+    evals = jax.jit(jax.vmap(lambda s, data, k: evaluate(s, data, k, ea), in_axes=(0, d, 0)))(
         state, stacked, jnp.stack([jax.random.key(7)] * 2))
     tol = LAYOUT_TOL.get(name, 1e-5)
     for r, s in enumerate(SEEDS):
         alone = _solo(algo, datas[r], layout, s, SCHEDULE[r])
         close(jax.tree_util.tree_map(lambda x: x[r], state), alone, tol)
-        want = jax.jit(make_evaluate(algo, Layout(*layout)), static_argnums=3)(alone, datas[r], jax.random.key(7), True)
+        want = jax.jit(make_evaluate(algo, Layout(*layout)), static_argnums=3)(alone, datas[r], jax.random.key(7), ea)
         assert set(want) == set(evals)
         for key in want:
             np.testing.assert_allclose(evals[key][r], want[key], atol=tol, err_msg=f"run {r} {key}")

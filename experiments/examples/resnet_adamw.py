@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
             loss = float(metrics["train_loss"])
             times.append(time.perf_counter() - start)
             print(f"{name} round {t + 1}: train loss {loss:.4f} ({times[-1]:.1f} s)", flush=True)
-        scores = runner.evaluate(state, data, jax.random.key(3), personalize=True)
+        scores = runner.evaluate(state, data, jax.random.key(3), personalize=algo.personalization is not None)
         acc = float(scores["personalized_macro_accuracy"])
         results[name] = {"personalized_macro_accuracy": acc, "seconds_per_round": float(np.median(times[1:] or times)),
                          **({"ea": float(scores["personalized_macro_accuracy_ea"])}

@@ -137,7 +137,7 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
     ref = _pure_rounds(algo, data, LAYOUTS[0], schedule, keys, seed)
     evaluate = jax.jit(make_evaluate(last, Layout(*LAYOUTS[0], chunk_steps=2)), static_argnums=3)
     try:
-        scores = evaluate(ref.state, data, jax.random.key(seed + 3), True)
+        scores = evaluate(ref.state, data, jax.random.key(seed + 3), last.personalization is not None)
     except Exception as e:   # a wrongly shaped EvalModels fails deep in the model's code: say what to look at
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ProtocolError(f"check_method({name}): the evaluation failed ({type(e).__name__}: {first}); "

@@ -181,7 +181,12 @@ class EvaluatePieces:
 def evaluation(ops, personalization: Personalization | None, state, data: FederatedData, key: jax.Array,
                personalize: bool) -> dict:
     """An evaluation composed of ``ops``' pieces: :class:`EvaluatePieces` itself (pure), or the host
-    runner's compiled ones (same names and signatures)."""
+    runner's compiled ones (same names and signatures). ``personalize`` on an algorithm without a
+    personalization is a ValueError (it would add no metric)."""
+    if personalize and personalization is None:
+        raise ValueError(f"personalize=True: {type(ops.algo).__name__} has no personalization step, so there "
+                         f"are no *_ea metrics to add (pFedKDH has one when ea_steps or ea_epochs > 0; see "
+                         f"the README's table of methods); evaluate without it")
     models = ops.models(state)
     feats = ops.test_features(models, data)
     metrics = ops.score(models, feats, data)

@@ -922,8 +922,19 @@ class PhasedRunner:
 
     def evaluate(self, state, data: FederatedData, key: jax.Array, t: int, *, personalize: bool = False) -> dict:
         """``state`` scored by the runner of round ``t``'s phase (``t``: the 0-based round just run, as
-        :meth:`round` takes it; a :class:`RoundRunner`'s ``evaluate`` has no ``t``)."""
-        return self.runners[self.phase(t)].evaluate(state, data, key, personalize=personalize)
+        :meth:`round` takes it; a :class:`RoundRunner`'s ``evaluate`` has no ``t``). ``personalize``
+        reaches the phases whose algorithm has a personalization (see :attr:`personalizes`); with none
+        it is a ValueError."""
+        runner = self.runners[self.phase(t)]
+        if personalize and self.personalizes and runner.algo.personalization is None:
+            personalize = False    # a phase before the personalization exists (a warm-up)
+        return runner.evaluate(state, data, key, personalize=personalize)
+
+    @functools.cached_property
+    def personalizes(self) -> bool:
+        """Whether some phase's algorithm has a personalization (what ``evaluate(...,
+        personalize=True)`` asks for)."""
+        return any(r.algo.personalization is not None for r in self.runners)
 
 
 def phase_starts(phases) -> list[int]:

@@ -426,7 +426,7 @@ def _train(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, groups: list[_Group
             jax.block_until_ready(states[g])
             t2 = time.perf_counter()
             eval_m = (runner_g.evaluate(states[g], group.data if group.eval_data is None else group.eval_data,
-                                        group.round_key("eval", t), t, personalize=do_ea)
+                                        group.round_key("eval", t), t, personalize=do_ea and runner_g.personalizes)
                       if do_eval else {})
             per_rep = group.split({**train_m, **eval_m})
             t3 = time.perf_counter()
