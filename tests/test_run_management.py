@@ -79,6 +79,9 @@ def test_kill_mid_round_then_resume_is_bit_identical(tmp_path, reference):
     # the whole run's time counts the killed session's rounds too (by their rows), this session's apart
     assert summary["total_seconds"] > summary["session_seconds"] > 0
     assert summary["total_seconds"] >= sum(r["seconds"] for r in rows(out)[:2]) + summary["session_seconds"]
+    # round 1 and the resumed session's first round compiled: their rows say so (the median leaves them out)
+    marked = [r["round"] for r in rows(out) if r.get("compiles")]
+    assert marked[0] == 1 and len(marked) == 2 and 3 <= marked[1] <= ROUNDS, marked
     # a complete run resumes to nothing: its summary is left as it is
     before, said = (out / "summary.json").read_text(), []
     assert resume(str(out), progress=False, log=said.append)["status"] == "completed"
@@ -288,7 +291,8 @@ def test_eval_seconds_median_counts_only_the_rounds_that_evaluated():
 
 def test_compile_seconds_is_unknown_after_a_single_round():
     """Round 1 compiles: compile time is round 1 less the later rounds' median, so a one-round run has
-    none to report (null, not 0) and says its seconds_per_round includes compilation."""
+    none to report (null, not 0) and says its seconds_per_round includes compilation. The rows a
+    resumed session compiled in are marked and left out of the medians too."""
     import types
 
     from pfedkdh_jax.engine.layout import Layout
@@ -304,6 +308,16 @@ def test_compile_seconds_is_unknown_after_a_single_round():
     one = records.summary(cfg, history[:1], {}, runner, status="completed")
     assert (one["seconds_per_round"], one["compile_seconds"]) == (7.0, None)
     assert one["seconds_per_round_includes_compile"] is True
+    # resumed at round 3: that session's first round and its first evaluation compiled again, and the
+    # rows say so; the medians leave them out (before: 3.0 s a round and 2.0 s an evaluation)
+    resumed = [{**r, "eval_seconds": 1.0, "personalized_macro_accuracy": 0.5} for r in history] + [
+        {"round": t, "train_loss": 0.5, "train_seconds": s, "eval_seconds": e, "seconds": s,
+         "personalized_macro_accuracy": 0.5, **marks}
+        for t, s, e, marks in [(4, 6.0, 9.0, {"compiles": True, "eval_compiles": True}), (5, 3.0, 2.0, {}),
+                               (6, 3.0, 2.0, {})]]
+    again = records.summary(cfg, resumed, {}, runner, status="completed")
+    assert (again["seconds_per_round"], again["compile_seconds"], again["eval_seconds_median"]) == (2.5, 4.5, 1.5)
+    assert again["seconds_per_round_includes_compile"] is False
 
 
 def test_a_run_directory_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):

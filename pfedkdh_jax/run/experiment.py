@@ -413,10 +413,17 @@ def _train(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, groups: list[_Group
     cfg = cfgs[0]
     bar = records.progress(cfg.rounds, progress)
     bar.update(start)
+    # a session's first round compiles its programs, as does a phase's first round (the phase's runner);
+    # the rows say so, and the summary's seconds per round leave them out (records.summary)
+    compiling = {start} | set(eng.runner.starts)
+    evaluated, adapted = False, False    # this session's first evaluation (and EA) compiles theirs
     for t in range(start, cfg.rounds):
         last = t == cfg.rounds - 1
         do_eval = last or (t + 1) % cfg.eval_every == 0
         do_ea = do_eval and (cfg.ea_steps > 0 or cfg.ea_epochs > 0) and (last or (t + 1) % cfg.ea_every == 0)
+        flags = ({"compiles": True} if t in compiling else {}) | (
+            {"eval_compiles": True} if (do_eval and not evaluated) or (do_ea and not adapted) else {})
+        evaluated, adapted = evaluated or do_eval, adapted or do_ea
         t0 = time.perf_counter()
         rep_rows, train_s, eval_s = [[] for _ in cfgs], 0.0, 0.0
         for g, group in enumerate(groups):
@@ -437,7 +444,7 @@ def _train(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, groups: list[_Group
         seconds = time.perf_counter() - t0
         for i, c in enumerate(cfgs):
             row = records.combine(rep_rows[i])
-            row.update(train_seconds=train_s, eval_seconds=eval_s, seconds=seconds)
+            row.update(train_seconds=train_s, eval_seconds=eval_s, seconds=seconds, **flags)
             histories[i].append(row)
             with open(metrics_paths[i], "a") as f:
                 f.write(json.dumps(row) + "\n")

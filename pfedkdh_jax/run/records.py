@@ -119,20 +119,25 @@ def summary(cfg, history: list[dict], part_summary: dict, runner,
         summary["repetitions"] = [{"seed": cfg.seed + r, **p} for r, p in enumerate(per_rep)]
     else:
         summary.update(metric_summary(history))
+    # the rounds that compiled (round 1; a resumed session's first round, a phase's first: rows marked
+    # "compiles"; rows written before the mark existed: round 1 only) are left out of the median
     secs = [r["train_seconds"] for r in history]
-    later = secs[1:] or secs
-    summary["seconds_per_round"] = statistics.median(later) if later else None
+    steady = [r["train_seconds"] for i, r in enumerate(history) if i > 0 and not r.get("compiles")]
+    summary["seconds_per_round"] = statistics.median(steady or secs) if secs else None
     summary["train_seconds_per_round"] = summary["seconds_per_round"]
-    # over the rounds that evaluated (not every round does, with --eval-every); the first evaluation
-    # also compiles the evaluation pieces, so it counts only when it is the only one
-    evals = [r["eval_seconds"] for r in history if evaluated(r)]
-    summary["eval_seconds_median"] = statistics.median(evals[1:] or evals) if evals else 0.0
+    # over the rounds that evaluated (not every round does, with --eval-every); a session's first
+    # evaluation (and first EA) also compiles its pieces ("eval_compiles"; before the mark: the first
+    # evaluation), so those count only when there are no others
+    rows = [r for r in history if evaluated(r)]
+    evals = [r["eval_seconds"] for r in rows]
+    steady_evals = [r["eval_seconds"] for i, r in enumerate(rows) if i > 0 and not r.get("eval_compiles")]
+    summary["eval_seconds_median"] = statistics.median(steady_evals or evals) if evals else 0.0
     summary["evaluations"] = len(evals)
     summary["first_round_seconds"] = secs[0] if secs else None
-    # the first round compiles; with no second round to compare, its compile time is unknown (None)
-    # and seconds_per_round is that first round's, compilation included
-    summary["compile_seconds"] = max(0.0, secs[0] - summary["seconds_per_round"]) if len(secs) > 1 else None
-    summary["seconds_per_round_includes_compile"] = len(secs) == 1
+    # the first round compiles; with no other round to compare, its compile time is unknown (None)
+    # and seconds_per_round is the compiling rounds' median, compilation included
+    summary["compile_seconds"] = max(0.0, secs[0] - summary["seconds_per_round"]) if steady else None
+    summary["seconds_per_round_includes_compile"] = bool(secs) and not steady
     summary["engine"] = dataclasses.asdict(runner.layout)
     packed = [(r.get("reps") or [r])[0] for r in history]
     if packed and "packing_computed_steps" in packed[0]:
