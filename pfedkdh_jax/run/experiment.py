@@ -411,50 +411,49 @@ def _train(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, groups: list[_Group
     """Rounds ``start`` … ``rounds − 1`` of every group (``states`` updated in place): train, evaluate
     when due, append each run's row, stop on divergence, checkpoint when due."""
     cfg = cfgs[0]
-    bar = records.progress(cfg.rounds, progress)
-    bar.update(start)
     # a session's first round compiles its programs, as does a phase's first round (the phase's runner);
     # the rows say so, and the summary's seconds per round leave them out (records.summary)
     compiling = {start} | set(eng.runner.starts)
     evaluated, adapted = False, False    # this session's first evaluation (and EA) compiles theirs
-    for t in range(start, cfg.rounds):
-        last = t == cfg.rounds - 1
-        do_eval = last or (t + 1) % cfg.eval_every == 0
-        do_ea = do_eval and (cfg.ea_steps > 0 or cfg.ea_epochs > 0) and (last or (t + 1) % cfg.ea_every == 0)
-        flags = ({"compiles": True} if t in compiling else {}) | (
-            {"eval_compiles": True} if (do_eval and not evaluated) or (do_ea and not adapted) else {})
-        evaluated, adapted = evaluated or do_eval, adapted or do_ea
-        t0 = time.perf_counter()
-        rep_rows, train_s, eval_s = [[] for _ in cfgs], 0.0, 0.0
-        for g, group in enumerate(groups):
-            t1 = time.perf_counter()
-            runner_g = eng.runners[group.members[0][0]]   # batched: the one runner of every run
-            states[g], train_m = runner_g.round(states[g], group.data, group.selected(t), group.round_key("train", t), t)
-            jax.block_until_ready(states[g])
-            t2 = time.perf_counter()
-            eval_m = (runner_g.evaluate(states[g], group.data if group.eval_data is None else group.eval_data,
-                                        group.round_key("eval", t), t, personalize=do_ea and runner_g.personalizes)
-                      if do_eval else {})
-            per_rep = group.split({**train_m, **eval_m})
-            t3 = time.perf_counter()
-            train_s, eval_s = train_s + t2 - t1, eval_s + t3 - t2
-            sel = np.asarray(group.selected(t)).reshape(len(group.members), -1)
-            for r, ((i, seed), row) in enumerate(zip(group.members, per_rep)):
-                rep_rows[i].append({"round": t + 1, "seed": seed, **row, "clients": [int(k) for k in sel[r]]})
-        seconds = time.perf_counter() - t0
-        for i, c in enumerate(cfgs):
-            row = records.combine(rep_rows[i])
-            row.update(train_seconds=train_s, eval_seconds=eval_s, seconds=seconds, **flags)
-            histories[i].append(row)
-            with open(metrics_paths[i], "a") as f:
-                f.write(json.dumps(row) + "\n")
-        _stop_on_divergence(cfgs, runs, eng, histories, rep_rows, t)
-        if cfg.checkpoint_every and ((t + 1) % cfg.checkpoint_every == 0 or last):
-            for i, ck in enumerate(runs.ckpts):
-                ck.save(t + 1, _run_states(i, groups, states, eng.batched), histories[i])
-        bar.update(1)
-        bar.set_postfix(records.postfix(histories[0][-1]))
-    bar.close()
+    with records.progress(cfg.rounds, progress) as bar:   # closed (drawn once more) before a Ctrl-C's line
+        bar.update(start)
+        for t in range(start, cfg.rounds):
+            last = t == cfg.rounds - 1
+            do_eval = last or (t + 1) % cfg.eval_every == 0
+            do_ea = do_eval and (cfg.ea_steps > 0 or cfg.ea_epochs > 0) and (last or (t + 1) % cfg.ea_every == 0)
+            flags = ({"compiles": True} if t in compiling else {}) | (
+                {"eval_compiles": True} if (do_eval and not evaluated) or (do_ea and not adapted) else {})
+            evaluated, adapted = evaluated or do_eval, adapted or do_ea
+            t0 = time.perf_counter()
+            rep_rows, train_s, eval_s = [[] for _ in cfgs], 0.0, 0.0
+            for g, group in enumerate(groups):
+                t1 = time.perf_counter()
+                runner_g = eng.runners[group.members[0][0]]   # batched: the one runner of every run
+                states[g], train_m = runner_g.round(states[g], group.data, group.selected(t), group.round_key("train", t), t)
+                jax.block_until_ready(states[g])
+                t2 = time.perf_counter()
+                eval_m = (runner_g.evaluate(states[g], group.data if group.eval_data is None else group.eval_data,
+                                            group.round_key("eval", t), t, personalize=do_ea and runner_g.personalizes)
+                          if do_eval else {})
+                per_rep = group.split({**train_m, **eval_m})
+                t3 = time.perf_counter()
+                train_s, eval_s = train_s + t2 - t1, eval_s + t3 - t2
+                sel = np.asarray(group.selected(t)).reshape(len(group.members), -1)
+                for r, ((i, seed), row) in enumerate(zip(group.members, per_rep)):
+                    rep_rows[i].append({"round": t + 1, "seed": seed, **row, "clients": [int(k) for k in sel[r]]})
+            seconds = time.perf_counter() - t0
+            for i, c in enumerate(cfgs):
+                row = records.combine(rep_rows[i])
+                row.update(train_seconds=train_s, eval_seconds=eval_s, seconds=seconds, **flags)
+                histories[i].append(row)
+                with open(metrics_paths[i], "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            _stop_on_divergence(cfgs, runs, eng, histories, rep_rows, t)
+            if cfg.checkpoint_every and ((t + 1) % cfg.checkpoint_every == 0 or last):
+                for i, ck in enumerate(runs.ckpts):
+                    ck.save(t + 1, _run_states(i, groups, states, eng.batched), histories[i])
+            bar.update(1)
+            bar.set_postfix(records.postfix(histories[0][-1]))
 
 
 def _stop_on_divergence(cfgs, runs: _Runs, eng: _Engine, histories, rep_rows, t: int) -> None:
