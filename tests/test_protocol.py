@@ -106,7 +106,7 @@ def test_every_layout_computes_the_same_round_and_evaluation(tiny, name, request
         assert set(traces.values()) == {1}, (layout, traces)  # nothing retraced within a phase
         last = algo.phases[-1].algorithm
         evaluate = jax.jit(make_evaluate(last, Layout(*layout, chunk_steps=2)), static_argnums=3)
-        ev = evaluate(state, data, jax.random.key(7), True)
+        ev = evaluate(state, data, jax.random.key(7), last.personalization is not None)
         results.append((layout, state, metrics, ev))
     _, state0, metrics0, ev0 = results[0]
     tol = LAYOUT_TOL.get(name, 1e-4)

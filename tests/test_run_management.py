@@ -81,7 +81,7 @@ def test_kill_mid_round_then_resume_is_bit_identical(tmp_path, reference):
     assert summary["total_seconds"] >= sum(r["seconds"] for r in rows(out)[:2]) + summary["session_seconds"]
     # round 1 and the resumed session's first round compiled: their rows say so (the median leaves them out)
     marked = [r["round"] for r in rows(out) if r.get("compiles")]
-    assert marked[0] == 1 and len(marked) == 2 and 3 <= marked[1] <= ROUNDS, marked
+    assert marked[0] == 1 and len(marked) == 2 and 2 <= marked[1] <= ROUNDS, marked
     # a complete run resumes to nothing: its summary is left as it is
     before, said = (out / "summary.json").read_text(), []
     assert resume(str(out), progress=False, log=said.append)["status"] == "completed"

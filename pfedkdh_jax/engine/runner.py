@@ -865,7 +865,7 @@ class PhasedRunner:
                  reps: int | None = None, mesh: jax.sharding.Mesh | None = None, hparams: dict | None = None,
                  workload: Workload | None = None, donate_state: bool = False):
         check_data(data, "PhasedRunner(algo, data)")
-        self.phases = algo.phases
+        self.phases, self.name = algo.phases, type(algo).__name__
         if hparams is not None and len(self.phases) > 1:
             raise ValueError("stacked hyperparameter values need a method of one phase")
         if any(p.rounds is None for p in self.phases[:-1]):
@@ -925,16 +925,25 @@ class PhasedRunner:
         :meth:`round` takes it; a :class:`RoundRunner`'s ``evaluate`` has no ``t``). ``personalize``
         reaches the phases whose algorithm has a personalization (see :attr:`personalizes`); with none
         it is a ValueError."""
-        runner = self.runners[self.phase(t)]
-        if personalize and self.personalizes and runner.algo.personalization is None:
-            personalize = False    # a phase before the personalization exists (a warm-up)
-        return runner.evaluate(state, data, key, personalize=personalize)
+        if personalize and not self.personalizes:
+            raise ValueError(f"personalize=True: {self.name} has no personalization step in any phase, so there "
+                             f"are no *_ea metrics to add; evaluate without it")
+        return self.runners[self.phase(t)].evaluate(state, data, key, personalize=self.personalizes_at(t)
+                                                    and personalize)
 
     @functools.cached_property
+    def _personal_phases(self) -> tuple[bool, ...]:
+        return tuple(r.algo.personalization is not None for r in self.runners)
+
+    @property
     def personalizes(self) -> bool:
         """Whether some phase's algorithm has a personalization (what ``evaluate(...,
-        personalize=True)`` asks for)."""
-        return any(r.algo.personalization is not None for r in self.runners)
+        personalize=True)`` asks for; the phases without one score without it)."""
+        return any(self._personal_phases)
+
+    def personalizes_at(self, t: int) -> bool:
+        """Whether round ``t``'s phase has a personalization."""
+        return self._personal_phases[self.phase(t)]
 
 
 def phase_starts(phases) -> list[int]:

@@ -527,7 +527,7 @@ def _guarded(job) -> int:
         return 3
     keys = ["personalized_macro_accuracy", "personalized_macro_accuracy_ea", "global_macro_accuracy",
             "best_personalized_macro_accuracy", "seconds_per_round", "compile_seconds"]
-    if summary.get("seconds_per_round_includes_compile"):   # one round: its time is mostly compiling
+    if summary.get("seconds_per_round_includes_compile"):   # every round compiled (one round, say)
         keys.append("seconds_per_round_includes_compile")
     print(json.dumps({k: summary[k] for k in keys if summary.get(k) is not None}, indent=2))   # what it has
     print(f"run directory: {summary['out']}")

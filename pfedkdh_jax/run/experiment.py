@@ -411,19 +411,24 @@ def _train(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, groups: list[_Group
     """Rounds ``start`` … ``rounds − 1`` of every group (``states`` updated in place): train, evaluate
     when due, append each run's row, stop on divergence, checkpoint when due."""
     cfg = cfgs[0]
-    # a session's first round compiles its programs, as does a phase's first round (the phase's runner);
-    # the rows say so, and the summary's seconds per round leave them out (records.summary)
+    # a session's first round compiles its programs, as does a phase's first round (the phase's runner),
+    # and its first evaluation and first EA in each phase theirs; the rows say so, and the summary's
+    # medians leave them out (records.summary)
     compiling = {start} | set(eng.runner.starts)
-    evaluated, adapted = False, False    # this session's first evaluation (and EA) compiles theirs
+    evaluated, adapted = set(), set()    # the phases whose evaluation (EA) has run in this session
     with records.progress(cfg.rounds, progress) as bar:   # closed (drawn once more) before a Ctrl-C's line
         bar.update(start)
         for t in range(start, cfg.rounds):
             last = t == cfg.rounds - 1
             do_eval = last or (t + 1) % cfg.eval_every == 0
-            do_ea = do_eval and (cfg.ea_steps > 0 or cfg.ea_epochs > 0) and (last or (t + 1) % cfg.ea_every == 0)
+            do_ea = (do_eval and (cfg.ea_steps > 0 or cfg.ea_epochs > 0) and (last or (t + 1) % cfg.ea_every == 0)
+                     and eng.runner.personalizes_at(t))   # EA where round t's phase has one
+            phase = eng.runner.phase(t)
             flags = ({"compiles": True} if t in compiling else {}) | (
-                {"eval_compiles": True} if (do_eval and not evaluated) or (do_ea and not adapted) else {})
-            evaluated, adapted = evaluated or do_eval, adapted or do_ea
+                {"eval_compiles": True} if (do_eval and phase not in evaluated) or (do_ea and phase not in adapted)
+                else {})
+            evaluated |= {phase} if do_eval else set()
+            adapted |= {phase} if do_ea else set()
             t0 = time.perf_counter()
             rep_rows, train_s, eval_s = [[] for _ in cfgs], 0.0, 0.0
             for g, group in enumerate(groups):
@@ -433,7 +438,7 @@ def _train(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, groups: list[_Group
                 jax.block_until_ready(states[g])
                 t2 = time.perf_counter()
                 eval_m = (runner_g.evaluate(states[g], group.data if group.eval_data is None else group.eval_data,
-                                            group.round_key("eval", t), t, personalize=do_ea and runner_g.personalizes)
+                                            group.round_key("eval", t), t, personalize=do_ea)
                           if do_eval else {})
                 per_rep = group.split({**train_m, **eval_m})
                 t3 = time.perf_counter()

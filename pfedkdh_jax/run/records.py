@@ -122,21 +122,19 @@ def summary(cfg, history: list[dict], part_summary: dict, runner,
     # the rounds that compiled (round 1; a resumed session's first round, a phase's first: rows marked
     # "compiles"; rows written before the mark existed: round 1 only) are left out of the median
     secs = [r["train_seconds"] for r in history]
-    steady = [r["train_seconds"] for i, r in enumerate(history) if i > 0 and not r.get("compiles")]
-    summary["seconds_per_round"] = statistics.median(steady or secs) if secs else None
-    summary["train_seconds_per_round"] = summary["seconds_per_round"]
+    spr, steady = _steady_median(history, "train_seconds", "compiles")
+    summary["seconds_per_round"] = spr
+    summary["train_seconds_per_round"] = spr
     # over the rounds that evaluated (not every round does, with --eval-every); a session's first
-    # evaluation (and first EA) also compiles its pieces ("eval_compiles"; before the mark: the first
-    # evaluation), so those count only when there are no others
-    rows = [r for r in history if evaluated(r)]
-    evals = [r["eval_seconds"] for r in rows]
-    steady_evals = [r["eval_seconds"] for i, r in enumerate(rows) if i > 0 and not r.get("eval_compiles")]
-    summary["eval_seconds_median"] = statistics.median(steady_evals or evals) if evals else 0.0
+    # evaluation (and first EA) in a phase also compiles its pieces ("eval_compiles"; before the mark:
+    # the first evaluation), so those count only when there are no others
+    evals = [r for r in history if evaluated(r)]
+    summary["eval_seconds_median"] = _steady_median(evals, "eval_seconds", "eval_compiles")[0] if evals else 0.0
     summary["evaluations"] = len(evals)
     summary["first_round_seconds"] = secs[0] if secs else None
-    # the first round compiles; with no other round to compare, its compile time is unknown (None)
-    # and seconds_per_round is the compiling rounds' median, compilation included
-    summary["compile_seconds"] = max(0.0, secs[0] - summary["seconds_per_round"]) if steady else None
+    # the first round compiles; with no round that did not, its compile time is unknown (None) and
+    # seconds_per_round is the compiling rounds' median, compilation included
+    summary["compile_seconds"] = max(0.0, secs[0] - spr) if steady else None
     summary["seconds_per_round_includes_compile"] = bool(secs) and not steady
     summary["engine"] = dataclasses.asdict(runner.layout)
     packed = [(r.get("reps") or [r])[0] for r in history]
@@ -147,6 +145,14 @@ def summary(cfg, history: list[dict], part_summary: dict, runner,
     summary["traces"] = dict(runner.traces)
     summary["partition"] = part_summary
     return summary
+
+
+def _steady_median(rows: list[dict], key: str, mark: str) -> tuple[float | None, bool]:
+    """The median of ``key`` over the rows that did not compile (the first row, and rows marked
+    ``mark``, left out), and whether there were any; with none, over every row."""
+    steady = [r[key] for i, r in enumerate(rows) if i > 0 and not r.get(mark)]
+    every = [r[key] for r in rows]
+    return (statistics.median(steady or every) if every else None), bool(steady)
 
 
 def evaluated(row: dict) -> bool:

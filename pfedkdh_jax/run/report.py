@@ -77,7 +77,7 @@ def table(runs: list[dict]) -> str:
                      f"{c.get('alpha')} | {_pm(s, KEY)} | {_pm(s, 'best_' + KEY)} | {_pm(s, KEY + '_ea')} | "
                      f"{'–' if spr is None else f'{spr:.2f}{mark}'} | {s.get('rounds_completed', len(r['rows']))} |")
     if compiled:
-        lines.append("\n† a run of one round: its seconds per round include compiling")
+        lines.append("\n† a run whose every round compiled (one round, say): its seconds per round include compiling")
     return "\n".join(lines)
 
 
