@@ -115,18 +115,22 @@ def load_study(root: str) -> dict:
     return out
 
 
-def load_spread(root: str, table2: str) -> dict:
-    """The spread study's points and table2's on the same columns: {(row, column): {data seed: %}},
-    with its study.json as ``meta``."""
+def load_spread(root: str, cells: dict) -> dict:
+    """The spread study's points on its columns, data seed 0 from the page's cells (Table 2's and
+    CIFAR-10's points, or the runs from before the studies): {(row, column): {data seed: %}}, with its
+    study.json as ``meta``."""
     meta = _json(os.path.join(root, "study.json"))
     out: dict = {"meta": meta, "values": {}, "points": 0}
-    for study in (root, table2):
-        for _, cfg, summary, col, rows in _finished_points(study):
-            if not rows or col not in meta["columns"] or rows[0][0] not in meta["rows"]:
-                continue
-            out["points"] += study == root
-            for row, key in rows:
-                out["values"].setdefault((row, col), {})[cfg.get("data_seed", 0)] = 100 * summary[key]
+    for _, cfg, summary, col, rows in _finished_points(root):
+        if not rows or col not in meta["columns"] or rows[0][0] not in meta["rows"]:
+            continue
+        out["points"] += 1
+        for row, key in rows:
+            out["values"].setdefault((row, col), {})[cfg.get("data_seed", 0)] = 100 * summary[key]
+    for col in meta["columns"]:
+        for row in [r for base in meta["rows"] for r in ([base, base + "-ea"] if base.startswith("pfedkdh") else [base])]:
+            if (row, col) in cells:
+                out["values"].setdefault((row, col), {})[0] = cells[(row, col)]["value"]
     return out
 
 
@@ -142,12 +146,12 @@ def load(results: str = RESULTS) -> dict:
             res["cells"][(run["row"], source["column"])] = {"value": run["value"], "std": None, "earlier": True}
             if "curve" in run:
                 res["curves"][(run["row"], source["column"])] = {int(r): v for r, v in run["curve"].items()}
-    res["spreads"] = {name: load_spread(os.path.join(results, name), os.path.join(results, "table2"))
-                      for name in sorted(os.listdir(results))
-                      if name.startswith("spread") and os.path.exists(os.path.join(results, name, "study.json"))}
     for study in ("table2", "cifar10"):
         res["cells"].update(res[study]["cells"])
         res["curves"].update(res[study]["curves"])
+    res["spreads"] = {name: load_spread(os.path.join(results, name), res["cells"])
+                      for name in sorted(os.listdir(results))
+                      if name.startswith("spread") and os.path.exists(os.path.join(results, name, "study.json"))}
     return res
 
 
@@ -363,22 +367,22 @@ def spread_section(res: dict, sp: dict) -> list[str]:
         for row in [r for base in m["rows"] for r in ([base, base + "-ea"] if base.startswith("pfedkdh") else [base])]:
             v = sp["values"].get((row, col), {})
             seeds = " / ".join(f"{v[k]:.2f}" if k in v else "–" for k in m["data_seeds"])
-            ref = paper(res, row, col)
+            ref = paper(res, row, col)   # None: the paper gives no figure (CIFAR-10)
             if len(v) == len(m["data_seeds"]):
                 mean, std = _mean_std(list(v.values()))
-                ours, gap = f"{mean:.2f} ± {std:.2f}", gap_sigma(mean, *ref)
+                ours, gap = f"{mean:.2f} ± {std:.2f}", gap_sigma(mean, *ref) if ref else "–"
             else:
                 ours, gap = "–", "–"
-            rows.append([_label(row), col_name(col), seeds, ours, f"{ref[0]:.2f} ± {ref[1]:.2f}", gap])
+            rows.append([_label(row), col_name(col), seeds, ours, f"{ref[0]:.2f} ± {ref[1]:.2f}" if ref else "–", gap])
         a, b = sp["values"].get((first, col), {}), sp["values"].get((second, col), {})
         both = [k for k in m["data_seeds"] if k in a and k in b]
         if both:
-            theirs = paper(res, first, col)[0] - paper(res, second, col)[0]
+            ra, rb = paper(res, first, col), paper(res, second, col)
             diffs.append(f"{col_name(col)} " + ", ".join(f"{a[k] - b[k]:+.2f}" for k in both)
-                         + f" (the paper's {theirs:+.2f})")
+                         + (f" (the paper's {ra[0] - rb[0]:+.2f})" if ra and rb else " (no paper figures)"))
     return [f"## Over {len(m['data_seeds'])} partitions: {' and '.join(_label(r) for r in m['rows'])} on "
             f"{', '.join(map(col_name, m['columns']))}",
-            f"Final round (50), %; data seed 0 is Table 2's point, the others the study {_study(sp)}; seed 0; "
+            f"Final round (50), %; data seed 0 is {m.get('seed0', 'Table 2' + chr(39) + 's point')}, the others the study {_study(sp)}; seed 0; "
             "mean ± std over the partitions, gap = (our mean − paper) / paper std.", "",
             *_table(["row", "cell", "data seed " + " / ".join(map(str, m["data_seeds"])), "ours, mean ± std",
                      "paper", "gap"], rows), "",

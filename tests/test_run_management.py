@@ -228,7 +228,7 @@ def test_report_table_and_figures(tmp_path, reference, capsys):
     text = table(runs)
     assert "| s1/points/digits-a0.1-fedprox (diverged at round 1) | fedprox mu=0.1 |" in text and "22.10 † |" in text
     assert "| s2/points/digits-a0.1-fedprox (interrupted: no summary) |" in text
-    assert text.endswith("† a run of one round: its seconds per round include compiling")
+    assert text.endswith("† a run whose every round compiled (one round, say): its seconds per round include compiling")
 
 
 def test_checkpoint_files_hold_the_state_and_refuse_another_shape(tmp_path):

@@ -6,8 +6,8 @@
   the rows carry ``*_std`` (the way the paper's convergence figure reads);
 * ``clients.png`` per run: final per-client accuracy and the label histogram of every client.
 
-A run that did not complete says so on its row (its status: diverged, interrupted); a run of one round
-marks its seconds per round, which then include compiling. The figures go to ``--out`` (``clients-NAME.png``
+A run that did not complete says so on its row (its status: diverged, interrupted); a run whose every
+round compiled (one round, say) marks its seconds per round, which then include compiling. The figures go to ``--out`` (``clients-NAME.png``
 per run there); without it, ``comparison.png`` goes into the first run's directory and each
 ``clients.png`` into its run's.
 """
