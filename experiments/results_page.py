@@ -128,10 +128,15 @@ def load_spread(root: str, cells: dict) -> dict:
         for row, key in rows:
             out["values"].setdefault((row, col), {})[cfg.get("data_seed", 0)] = 100 * summary[key]
     for col in meta["columns"]:
-        for row in [r for base in meta["rows"] for r in ([base, base + "-ea"] if base.startswith("pfedkdh") else [base])]:
+        for row in _spread_rows(meta):
             if (row, col) in cells:
                 out["values"].setdefault((row, col), {})[0] = cells[(row, col)]["value"]
     return out
+
+
+def _spread_rows(meta: dict) -> list[str]:
+    """A spread study's table rows: its rows, a pFedKDH row as Fair and EA."""
+    return [r for base in meta["rows"] for r in ([base, base + "-ea"] if base.startswith("pfedkdh") else [base])]
 
 
 def load(results: str = RESULTS) -> dict:
@@ -364,7 +369,7 @@ def spread_section(res: dict, sp: dict) -> list[str]:
     rows, diffs = [], []
     first, second = m["pair"]
     for col in m["columns"]:
-        for row in [r for base in m["rows"] for r in ([base, base + "-ea"] if base.startswith("pfedkdh") else [base])]:
+        for row in _spread_rows(m):
             v = sp["values"].get((row, col), {})
             seeds = " / ".join(f"{v[k]:.2f}" if k in v else "–" for k in m["data_seeds"])
             ref = paper(res, row, col)   # None: the paper gives no figure (CIFAR-10)
@@ -380,9 +385,10 @@ def spread_section(res: dict, sp: dict) -> list[str]:
             ra, rb = paper(res, first, col), paper(res, second, col)
             diffs.append(f"{col_name(col)} " + ", ".join(f"{a[k] - b[k]:+.2f}" for k in both)
                          + (f" (the paper's {ra[0] - rb[0]:+.2f})" if ra and rb else " (no paper figures)"))
+    seed0 = m.get("seed0", "Table 2's point")   # where the study's data seed 0 comes from
     return [f"## Over {len(m['data_seeds'])} partitions: {' and '.join(_label(r) for r in m['rows'])} on "
             f"{', '.join(map(col_name, m['columns']))}",
-            f"Final round (50), %; data seed 0 is {m.get('seed0', 'Table 2' + chr(39) + 's point')}, the others the study {_study(sp)}; seed 0; "
+            f"Final round (50), %; data seed 0 is {seed0}, the others the study {_study(sp)}; seed 0; "
             "mean ± std over the partitions, gap = (our mean − paper) / paper std.", "",
             *_table(["row", "cell", "data seed " + " / ".join(map(str, m["data_seeds"])), "ours, mean ± std",
                      "paper", "gap"], rows), "",

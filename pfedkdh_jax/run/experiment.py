@@ -427,8 +427,10 @@ def _train(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, groups: list[_Group
             flags = ({"compiles": True} if t in compiling else {}) | (
                 {"eval_compiles": True} if (do_eval and phase not in evaluated) or (do_ea and phase not in adapted)
                 else {})
-            evaluated |= {phase} if do_eval else set()
-            adapted |= {phase} if do_ea else set()
+            if do_eval:
+                evaluated.add(phase)
+            if do_ea:
+                adapted.add(phase)
             t0 = time.perf_counter()
             rep_rows, train_s, eval_s = [[] for _ in cfgs], 0.0, 0.0
             for g, group in enumerate(groups):
