@@ -4,11 +4,13 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pfedkdh_jax.run import cli
@@ -39,11 +41,44 @@ def numbers(run_dir):
     return per_round, {k: summary[k] for k in ACCURACY_KEYS if k in summary}
 
 
+LATE_COMPILE = 3   # the reference run's round that compiles something new, as a step width first met there would
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, measured_conv_form_module):
+    import jax
+    import jax.numpy as jnp
+
+    from pfedkdh_jax.engine.runner import RoundRunner
+    real = RoundRunner.round
+
+    def round_(self, state, data, selected, key):
+        if int(np.asarray(state.round)) == LATE_COMPILE - 1:   # a new function: it compiles (numbers unchanged)
+            jax.jit(lambda x: x + 1)(jnp.zeros(3)).block_until_ready()
+        return real(self, state, data, selected, key)
     out = tmp_path_factory.mktemp("ref") / "run"
-    assert cli.main(["run", *ARGS, "--out", str(out)]) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RoundRunner, "round", round_)
+        assert cli.main(["run", *ARGS, "--out", str(out)]) == 0
     return out
+
+
+def test_the_rows_mark_the_rounds_that_compiled(reference):
+    """Every row whose training (evaluation) compiled says so, with JAX's compile seconds: round 1, and the
+    reference's round 3, which compiles a new function as a later round meeting a new step width would
+    (before, only round 1, a resumed session's first round and a phase's first were marked); evaluations
+    compile at the first (round 1) and the first EA (round 2, --ea-every 2); the summary's compile seconds
+    are their sum."""
+    got = rows(reference)
+    assert [r["round"] for r in got if r.get("compiles")] == [1, LATE_COMPILE]
+    assert [r["round"] for r in got if r.get("eval_compiles")] == [1, 2]
+    timed = [r["round"] for r in got if "compile_seconds" in r]
+    assert timed == [1, 2, LATE_COMPILE] and all(r["compile_seconds"] > 0 for r in got if "compile_seconds" in r)
+    summary = json.loads((Path(reference) / "summary.json").read_text())
+    assert summary["compile_seconds"] == pytest.approx(sum(r.get("compile_seconds", 0.0) for r in got))
+    # the median of the rounds that compiled nothing
+    assert summary["seconds_per_round"] == pytest.approx(
+        statistics.median(r["train_seconds"] for r in got if not r.get("compiles")))
 
 
 def start(out, env_extra=None):

@@ -39,10 +39,12 @@ def test_smoke_preset_runs_every_method(name, tmp_path, capsys):
     assert all(v == 1 for v in summary["traces"].values()), summary["traces"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(1, rounds + 1)) and all(np.isfinite(r["train_loss"]) for r in rows)
-    # the rounds that compiled say so: round 1 (training and evaluation), and FedFed's phase B at round 2
-    # (its own runner); FedPer's round 2 asks for an EA it has none of, so it compiles nothing
+    # the rounds that compiled say so: round 1 (training and evaluation), FedFed's phase B at round 2 (its
+    # own runner), pFedSim's first evaluation after its warm-up (round 2: each client's model scored, where
+    # the warm-up scored the global one); FedPer's round 2 asks for an EA it has none of, so it compiles nothing
     marks = [("compiles" in r, "eval_compiles" in r) for r in rows]
-    want = [(True, True)] * 2 if name == "fedfed" else [(True, True)] + [(False, False)] * (rounds - 1)
+    want = ([(True, True)] * 2 if name == "fedfed" else [(True, True), (False, True)] if name == "pfedsim"
+            else [(True, True)] + [(False, False)] * (rounds - 1))
     assert marks == want, marks
 
 

@@ -411,44 +411,43 @@ def _train(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, groups: list[_Group
     """Rounds ``start`` … ``rounds − 1`` of every group (``states`` updated in place): train, evaluate
     when due, append each run's row, stop on divergence, checkpoint when due."""
     cfg = cfgs[0]
-    # a session's first round compiles its programs, as does a phase's first round (the phase's runner),
-    # and its first evaluation and first EA in each phase theirs; the rows say so, and the summary's
-    # medians leave them out (records.summary)
-    compiling = {start} | set(eng.runner.starts)
-    evaluated, adapted = set(), set()    # the phases whose evaluation (EA) has run in this session
-    with records.progress(cfg.rounds, progress) as bar:   # closed (drawn once more) before a Ctrl-C's line
-        bar.update(start)
+    # the rounds whose training (evaluation) compiled something say so ("compiles", "eval_compiles",
+    # with JAX's compile seconds), and the summary's medians leave them out (records.summary): a
+    # session's first round, a phase's first, each phase's first evaluation and EA, and any round whose
+    # clients first need a new step width or plan
+    with records.progress(cfg.rounds, progress) as bar, records.CompileWatch() as watch:
+        bar.update(start)   # the bar is closed (drawn once more) before a Ctrl-C's line
         for t in range(start, cfg.rounds):
             last = t == cfg.rounds - 1
             do_eval = last or (t + 1) % cfg.eval_every == 0
             do_ea = (do_eval and (cfg.ea_steps > 0 or cfg.ea_epochs > 0) and (last or (t + 1) % cfg.ea_every == 0)
                      and eng.runner.personalizes_at(t))   # EA where round t's phase has one
-            phase = eng.runner.phase(t)
-            flags = ({"compiles": True} if t in compiling else {}) | (
-                {"eval_compiles": True} if (do_eval and phase not in evaluated) or (do_ea and phase not in adapted)
-                else {})
-            if do_eval:
-                evaluated.add(phase)
-            if do_ea:
-                adapted.add(phase)
             t0 = time.perf_counter()
             rep_rows, train_s, eval_s = [[] for _ in cfgs], 0.0, 0.0
+            before, train_c, eval_c = watch.reading(), 0, 0   # compile events in training, in evaluation
             for g, group in enumerate(groups):
                 t1 = time.perf_counter()
                 runner_g = eng.runners[group.members[0][0]]   # batched: the one runner of every run
+                c1 = watch.reading()
                 states[g], train_m = runner_g.round(states[g], group.data, group.selected(t), group.round_key("train", t), t)
                 jax.block_until_ready(states[g])
                 t2 = time.perf_counter()
+                c2 = watch.reading()
                 eval_m = (runner_g.evaluate(states[g], group.data if group.eval_data is None else group.eval_data,
                                             group.round_key("eval", t), t, personalize=do_ea)
                           if do_eval else {})
                 per_rep = group.split({**train_m, **eval_m})
                 t3 = time.perf_counter()
+                c3 = watch.reading()
                 train_s, eval_s = train_s + t2 - t1, eval_s + t3 - t2
+                train_c, eval_c = train_c + c2[0] - c1[0], eval_c + c3[0] - c2[0]
                 sel = np.asarray(group.selected(t)).reshape(len(group.members), -1)
                 for r, ((i, seed), row) in enumerate(zip(group.members, per_rep)):
                     rep_rows[i].append({"round": t + 1, "seed": seed, **row, "clients": [int(k) for k in sel[r]]})
             seconds = time.perf_counter() - t0
+            after = watch.reading()
+            flags = ({"compiles": True} if train_c else {}) | ({"eval_compiles": True} if eval_c else {}) | (
+                {"compile_seconds": after[1] - before[1]} if after[0] > before[0] else {})
             for i, c in enumerate(cfgs):
                 row = records.combine(rep_rows[i])
                 row.update(train_seconds=train_s, eval_seconds=eval_s, seconds=seconds, **flags)

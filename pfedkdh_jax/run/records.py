@@ -8,6 +8,7 @@ import json
 import math
 import os
 import statistics
+import threading
 from typing import Any
 
 import jax
@@ -81,6 +82,37 @@ def progress(total: int, enabled: bool):
     return tqdm(total=total, desc="rounds", unit="round", disable=not enabled, dynamic_ncols=True)
 
 
+class CompileWatch:
+    """JAX's compile events in this process while the watch is open (``with CompileWatch() as w``): how
+    many (``events``) and their seconds (``seconds``: tracing, lowering to MLIR and the backend's
+    compilation, as ``jax.monitoring`` reports them). A run reads it before and after each piece of a
+    round, so its rows mark exactly the rounds that compiled something, a step width first met in round
+    40 too. Compiles of other threads of the process count as well."""
+
+    PREFIX = "/jax/core/compile/"
+
+    def __init__(self):
+        self.events, self.seconds = 0, 0.0
+        self._lock = threading.Lock()
+
+    def _listen(self, name: str, seconds: float, **_) -> None:
+        if name.startswith(self.PREFIX):
+            with self._lock:
+                self.events += 1
+                self.seconds += seconds
+
+    def reading(self) -> tuple[int, float]:
+        with self._lock:
+            return self.events, self.seconds
+
+    def __enter__(self) -> "CompileWatch":
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
 def environment() -> dict[str, Any]:
     """Library versions, backend, devices and the git commit (if any), for reproducibility."""
     import platform
@@ -119,22 +151,25 @@ def summary(cfg, history: list[dict], part_summary: dict, runner,
         summary["repetitions"] = [{"seed": cfg.seed + r, **p} for r, p in enumerate(per_rep)]
     else:
         summary.update(metric_summary(history))
-    # the rounds that compiled (round 1; a resumed session's first round, a phase's first: rows marked
-    # "compiles"; rows written before the mark existed: round 1 only) are left out of the median
+    # the rounds that compiled (rows marked "compiles": round 1, a resumed session's first round, a
+    # phase's first, any round that met a new program; rows from before the mark: round 1) are left out
     secs = [r["train_seconds"] for r in history]
     spr, steady = _steady_median(history, "train_seconds", "compiles")
     summary["seconds_per_round"] = spr
     summary["train_seconds_per_round"] = spr
-    # over the rounds that evaluated (not every round does, with --eval-every); a session's first
-    # evaluation (and first EA) in a phase also compiles its pieces ("eval_compiles"; before the mark:
-    # the first evaluation), so those count only when there are no others
+    # over the rounds that evaluated (not every round does, with --eval-every); those whose evaluation
+    # compiled ("eval_compiles": a session's first evaluation and first EA in a phase, ...; before the
+    # mark: the first evaluation) count only when there are no others
     evals = [r for r in history if evaluated(r)]
     summary["eval_seconds_median"] = _steady_median(evals, "eval_seconds", "eval_compiles")[0] if evals else 0.0
     summary["evaluations"] = len(evals)
     summary["first_round_seconds"] = secs[0] if secs else None
-    # the first round compiles; with no round that did not, its compile time is unknown (None) and
+    # the seconds JAX reported compiling, summed over the rows (every session's); rows from before the
+    # measurement: round 1 less the median, unknown (None) with no round that did not compile, where
     # seconds_per_round is the compiling rounds' median, compilation included
-    summary["compile_seconds"] = max(0.0, secs[0] - spr) if steady else None
+    measured = [r["compile_seconds"] for r in history if "compile_seconds" in r]
+    summary["compile_seconds"] = (float(sum(measured)) if measured else
+                                  max(0.0, secs[0] - spr) if steady else None)
     summary["seconds_per_round_includes_compile"] = bool(secs) and not steady
     summary["engine"] = dataclasses.asdict(runner.layout)
     packed = [(r.get("reps") or [r])[0] for r in history]
