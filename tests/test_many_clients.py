@@ -327,3 +327,52 @@ def test_uploads_summed_as_they_come_give_the_stacked_rounds(tiny, name, monkeyp
     for other in results[1:]:
         for x, y in zip(jax.tree_util.tree_leaves(results[0]), jax.tree_util.tree_leaves(other)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_a_method_weighs_its_uploads_its_own_way(tiny):
+    """``upload_weight``: pFedKDH whose clients weigh equally in the backbone's mean. The host loop's
+    running sums (sequential clients) and the one-call round (the default ``server_update``) give the
+    rounds of a server step that takes the plain mean of the stacked uploads itself, and those differ
+    from the sample-weighted rounds (the tiny clients' sizes differ). A weight that is not a scalar is
+    named."""
+    import jax.numpy as jnp
+
+    from pfedkdh_jax.engine.protocol import ProtocolError
+    _, _, data = tiny
+    base = algorithms.build(make_config("smoke", method="pfedkdh", rounds=2), data.num_classes)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+
+    class Equal(type(base)):
+        def upload_weight(self, data, client, update):
+            return 1.0
+
+    class PlainMean(type(base)):   # its own server step: the stacked uploads' unweighted mean
+        def server_update(self, state, data, selected, updates, key):
+            averaged, rest = jax.vmap(self.mean_upload)(updates)
+            return self.server_update_from_mean(state, data, selected,
+                                                jax.tree_util.tree_map(lambda x: x.mean(0), averaged), rest, key)
+
+    class Rows(type(base)):
+        def upload_weight(self, data, client, update):
+            return jnp.ones(2)
+    assert np.unique(np.asarray(data.train_n)[[0, 1, 3]]).size > 1
+    results = []
+    for cls, layout in ((PlainMean, Layout("sequential", "unrolled", chunk_steps=2)),
+                        (Equal, Layout("sequential", "unrolled", chunk_steps=2)), (Equal, Layout("vmap", "scan")),
+                        (type(base), Layout("sequential", "unrolled", chunk_steps=2))):
+        a = cls(**fields)
+        assert splits_uploads(a) == (cls is not PlainMean)
+        runner = RoundRunner(a, data, layout)
+        state = a.init(jax.random.key(0), data)
+        for t, sel in enumerate([np.array([0, 1, 3]), np.array([2, 0])]):
+            state, _ = runner.round(state, data, sel, jax.random.key(10 + t))
+        results.append(jax.tree_util.tree_leaves(state.backbone))
+    for other in results[1:3]:
+        for x, y in zip(results[0], other):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    assert max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(results[0], results[3])) > 1e-4
+    rows = Rows(**fields)
+    with pytest.raises(ProtocolError, match=r"Rows.upload_weight must give one client's weight as a scalar; "
+                                            r"got shape \(2,\)"):
+        RoundRunner(rows, data, Layout("vmap", "scan")).round(rows.init(jax.random.key(0), data), data,
+                                                             np.array([0, 1]), jax.random.key(1))

@@ -37,7 +37,8 @@ piece                        what it is                                         
                              produced at client k (what it uploads and what it keeps)            ``local.aux``
 ``server_update``            ``(state, data, selected, updates [C], key) -> (state, metrics)``   see below
 ``mean_upload``              ``(update) -> (averaged, rest)``: what of one client's update the    ``None``
-                             server uses only through its sample-weighted mean, and the rest
+                             server uses only through its weighted mean, and the rest
+``upload_weight``            ``(data, k, update) -> w``: client k's weight in that mean           ``n_k``
 ``server_update_from_mean``  ``(state, data, selected, mean, rest [C], key) -> (state,          –
                              metrics)``: the server step given that mean (methods that split)
 ``eval_models``              ``(state) -> EvalModels``: what an evaluation scores                 –
@@ -52,7 +53,8 @@ piece                        what it is                                         
 ===========================  ==================================================================  ============
 
 A method whose server averages (part of) the uploads weighted by the clients' sample counts (FedAvg's
-whole model, FedPer's backbone) says so with ``mean_upload`` and writes ``server_update_from_mean``;
+whole model, FedPer's backbone), or by weights of its own (``upload_weight``), says so with
+``mean_upload`` and writes ``server_update_from_mean``;
 its ``server_update`` is then that step on the mean of the stacked uploads (:func:`sample_mean`), and the
 engine's host loop may instead form the mean as the clients finish, a running sum on each device, and
 never hold the C uploads at once (:func:`splits_uploads`).
@@ -360,17 +362,26 @@ class Algorithm:
             raise NotImplementedError(f"{type(self).__name__} defines neither server_update nor mean_upload "
                                       f"(with server_update_from_mean): a method needs one of them")
         averaged, rest = jax.vmap(self.mean_upload)(updates)
-        return self.server_update_from_mean(state, data, selected, sample_mean(averaged, data.train_n[selected]),
-                                            rest, key)
+        weights = jax.vmap(lambda k, u: upload_weight_of(self, data, k, u))(selected, updates)
+        return self.server_update_from_mean(state, data, selected, sample_mean(averaged, weights), rest, key)
 
     def mean_upload(self, update: ClientUpdate) -> tuple[PyTree, ClientUpdate] | None:
         """``(averaged, rest)`` of one client's update (unstacked): ``averaged`` is what the server uses
-        only through its mean over the selected clients weighted by their train samples
-        (``Σ n_k x_k / Σ n_k``, ``n_k = data.train_n[k]``), ``rest`` a :class:`ClientUpdate` of what
-        else it reads (a kept head, the loss). Default ``None``: the method does not split (it writes
-        :meth:`server_update`)."""
+        only through its weighted mean over the selected clients (``Σ w_k x_k / Σ w_k``, ``w_k`` from
+        :meth:`upload_weight`: by default the train samples ``n_k = data.train_n[k]``), ``rest`` a
+        :class:`ClientUpdate` of what else it reads (a kept head, the loss). Default ``None``: the
+        method does not split (it writes :meth:`server_update`)."""
         del update
         return None
+
+    def upload_weight(self, data, client: jax.Array, update: ClientUpdate) -> jax.Array:
+        """Client ``client``'s weight (a scalar ≥ 0; the round's weights must not all be 0) in the mean
+        of what :meth:`mean_upload` averages, given its whole update (unstacked). Default: its train
+        sample count ``data.train_n[client]``. A method may weigh its clients equally (``1.0``) or by
+        what its update carries (a loss, a count in ``aux``); the running sums of the host loop and the
+        stacked mean of :meth:`server_update` both use it."""
+        del update
+        return data.train_n[client]
 
     def server_update_from_mean(self, state: PyTree, data, selected: jax.Array, mean: PyTree,
                                 rest: ClientUpdate, key: jax.Array) -> tuple[PyTree, dict]:
@@ -532,11 +543,21 @@ def prepares_rounds(algo: Algorithm) -> bool:
 
 
 def splits_uploads(algo: Algorithm) -> bool:
-    """Whether ``algo`` splits its uploads into a sample-weighted mean and a rest: it overrides
+    """Whether ``algo`` splits its uploads into a weighted mean and a rest: it overrides
     :meth:`Algorithm.mean_upload` and keeps the default :meth:`Algorithm.server_update` (a subclass
     that writes its own ``server_update`` is given the stacked updates, whatever it inherits)."""
     cls = type(algo)
     return cls.mean_upload is not Algorithm.mean_upload and cls.server_update is Algorithm.server_update
+
+
+def upload_weight_of(algo: Algorithm, data, client: jax.Array, update: ClientUpdate) -> jax.Array:
+    """``algo.upload_weight(data, client, update)`` as a float32 scalar; any other shape is a
+    :class:`ProtocolError` naming the method."""
+    w = jnp.asarray(algo.upload_weight(data, client, update))
+    if w.shape != ():
+        raise ProtocolError(f"{type(algo).__name__}.upload_weight must give one client's weight as a scalar; "
+                            f"got shape {w.shape}")
+    return w.astype(jnp.float32)
 
 
 def sample_mean(trees: PyTree, weights: jax.Array) -> PyTree:

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pfedkdh_jax.engine.protocol import (Algorithm, ProtocolError, check_pieces, prepares_rounds, splits_uploads,
-                                         state_change)
+                                         state_change, upload_weight_of)
 from pfedkdh_jax.data.device import FederatedData, check_data, data_axes
 from pfedkdh_jax.engine import client_rows, scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
@@ -395,11 +395,11 @@ class _Rows:
 
 
 def _mean_split(a: Algorithm, update, data: FederatedData, sel):
-    """``((n_k x_k, n_k, dtypes), rest)`` of one client's update under ``a.mean_upload``: its averaged
-    part weighted by its train samples (float32, or a wider leaf's own dtype), the weight, zero-size
-    arrays of the parts' dtypes, and the rest."""
+    """``((w_k x_k, w_k, dtypes), rest)`` of one client's update under ``a.mean_upload``: its averaged
+    part weighted by ``a.upload_weight`` (by default its train samples; float32, or a wider leaf's own
+    dtype), the weight, zero-size arrays of the parts' dtypes, and the rest."""
     part, rest = a.mean_upload(update)
-    w = data.train_n[sel].astype(jnp.float32)
+    w = upload_weight_of(a, data, sel, update)
     wide = lambda x: jnp.promote_types(x.dtype, jnp.float32)  # noqa: E731
     total = jax.tree_util.tree_map(lambda x: w.astype(wide(x)) * x.astype(wide(x)), part)
     like = jax.tree_util.tree_map(lambda x: jnp.zeros((0,), x.dtype), part)
