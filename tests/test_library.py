@@ -801,6 +801,44 @@ def test_a_key_data_or_count_of_another_kind_is_named(digits):
         p.from_arrays([[1.0, 2.0], [3.0]], [0, 1], num_clients=2, alpha=1.0)
 
 
+class HalfBackbone(nn.Module):
+    """A bfloat16 perceptron (parameters stored in bfloat16)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.relu(nn.Dense(16, param_dtype=jnp.bfloat16)(x.reshape(x.shape[0], -1)))
+
+
+def test_a_bfloat16_model_keeps_its_dtypes_through_rounds_and_files(digits, tmp_path):
+    """A model stored in bfloat16: the server steps that average (FedAvg's stacked mean, Ditto's, pFedSim's
+    mixed downloads after its warm-up) give its state back in bfloat16, as the protocol asks of a
+    server step (before: float32, so the second round compiled again and a scan over rounds failed),
+    the host loop's running sums too; save_state / load_state round-trip it (before: read back as the
+    void dtype .npz stores it under, and refused)."""
+    model = p.LinenModel(HalfBackbone(), nn.Dense(10, param_dtype=jnp.bfloat16))
+    dtypes = lambda s: [x.dtype for x in jax.tree_util.tree_leaves(s)]  # noqa: E731
+    for algo in (p.FedAvg(model, p.FedAvgConfig(local_epochs=1, batch_size=32)),
+                 p.Ditto(model, p.DittoConfig(local_epochs=1, batch_size=32)),
+                 p.PFedSim(model, p.PFedSimConfig(local_epochs=1, batch_size=32, rounds=2, warmup=1))):
+        state = algo.init(jax.random.key(0), digits)
+        assert jnp.bfloat16 in dtypes(state)
+        round_ = jax.jit(p.make_round(algo, p.Layout("vmap", "scan")))
+        after = state
+        for t in range(2):   # pFedSim: its warm-up round, then a round of mixed downloads
+            after = round_(after, digits, jnp.array([0, 1]), jax.random.key(t))[0]
+            assert dtypes(after) == dtypes(state), type(algo).__name__
+    fedavg = p.FedAvg(model, p.FedAvgConfig(local_epochs=1, batch_size=32))
+    state = fedavg.init(jax.random.key(0), digits)
+    hosted = p.RoundRunner(fedavg, digits, p.Layout("sequential", "unrolled", chunk_steps=2)).round(
+        state, digits, np.array([0, 1]), jax.random.key(1))[0]
+    pure = jax.jit(p.make_round(fedavg, p.Layout("vmap", "scan")))(state, digits, jnp.array([0, 1]), jax.random.key(1))[0]
+    assert dtypes(hosted) == dtypes(pure) == dtypes(state)
+    back = p.load_state(p.save_state(tmp_path / "half.npz", pure), pure)
+    assert dtypes(back) == dtypes(pure)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree_util.tree_leaves(pure), jax.tree_util.tree_leaves(back)))
+
+
 def test_a_users_loop_saves_and_loads_its_state(digits, tmp_path):
     """save_state / load_state: a round's state (and a typed key beside it) round-trips exactly; a state
     of another shape is named by its leaf's path."""

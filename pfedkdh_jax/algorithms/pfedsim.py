@@ -95,7 +95,7 @@ def mixed_downloads(state: "PFedSimState", clients: jax.Array) -> PyTree:
     weights = jax.vmap(mixing_weights)(state.similarity[jnp.maximum(rows, 0)], jnp.maximum(rows, 0))
     weights = jnp.where(has[:, None], weights, 0.0)
     table = models.rows if isinstance(models, ClientRows) else models
-    body = jax.tree_util.tree_map(lambda x: jnp.tensordot(weights, x, axes=1), table["backbone"])
+    body = jax.tree_util.tree_map(lambda x: jnp.tensordot(weights, x, axes=1).astype(x.dtype), table["backbone"])
     if isinstance(models, ClientRows):
         body = jax.tree_util.tree_map(
             lambda b, base: jnp.where(has.reshape((-1,) + (1,) * base.ndim), b, base), body, models.base["backbone"])

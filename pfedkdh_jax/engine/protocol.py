@@ -562,9 +562,14 @@ def upload_weight_of(algo: Algorithm, data, client: jax.Array, update: ClientUpd
 
 def sample_mean(trees: PyTree, weights: jax.Array) -> PyTree:
     """``Σ_c w_c · tree_c / Σ_c w_c`` over the leading axis ``[C, ...]`` of every leaf (``weights [C]``,
-    e.g. the clients' train sample counts)."""
+    e.g. the clients' train sample counts), summed in float32 (or a wider leaf's own dtype) and given
+    back in each leaf's dtype (a bfloat16 model stays bfloat16, as a server step's state must)."""
     w = weights.astype(jnp.float32) / jnp.sum(weights.astype(jnp.float32))
-    return jax.tree_util.tree_map(lambda x: jnp.tensordot(w, x, axes=1), trees)
+
+    def mean(x):
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        return jnp.tensordot(w.astype(wide), x.astype(wide), axes=1).astype(x.dtype)
+    return jax.tree_util.tree_map(mean, trees)
 
 
 def client_update_shape(algo: Algorithm, state, data, key: jax.Array) -> ClientUpdate:

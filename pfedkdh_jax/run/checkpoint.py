@@ -209,6 +209,8 @@ def _read_leaves(file: str, target: Any) -> Any:
     out = []
     for (where, t), a in zip(flat, got):
         want = jax.random.key_data(t) if _is_key(t) else t if hasattr(t, "shape") else np.asarray(t)
+        if a.dtype.kind == "V" and np.dtype(want.dtype).kind == "V" and a.dtype.itemsize == np.dtype(want.dtype).itemsize:
+            a = a.view(want.dtype)   # bfloat16 (float8, ...): .npz keeps their bytes under a void dtype
         if a.shape != tuple(want.shape) or a.dtype != want.dtype:
             raise _LeafMismatch(f"leaf {jax.tree_util.keystr(where)} is {a.dtype}{list(a.shape)}, the state's is "
                                 f"{want.dtype}{list(want.shape)}")
