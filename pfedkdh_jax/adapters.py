@@ -26,6 +26,10 @@ _TRAIN_NAMES = ("train", "training", "is_training")   # a backbone's keyword tha
 
 
 def _flat(z: jax.Array) -> jax.Array:
+    """The backbone's output as features ``[B, D]``; anything but one array is named."""
+    if not hasattr(z, "ndim") or not hasattr(z, "reshape"):
+        raise TypeError(f"the backbone must return one array of features [B, ...]; it returned a {type(z).__name__}"
+                        " (a tuple of outputs: return the features only)")
     return z if z.ndim == 2 else z.reshape(z.shape[0], -1)
 
 
@@ -115,7 +119,12 @@ class NNXModel:
     def __init__(self, backbone: Callable[[Any], Any], head: Callable[[Any], Any]):
         from flax import nnx
 
+        import flax.linen as linen
+
         for name, make in (("backbone", backbone), ("head", head)):
+            if isinstance(make, linen.Module):
+                raise TypeError(f"NNXModel({name}=...) takes flax.nnx modules; got a flax.linen {type(make).__name__}: "
+                                "linen modules go in LinenModel(backbone, head)")
             if isinstance(make, nnx.Module) or not callable(make):
                 raise TypeError(f"NNXModel({name}=...) must be a function rngs -> nnx.Module (e.g. "
                                 f"lambda rngs: MyModule(..., rngs=rngs)); got a {type(make).__name__}")

@@ -198,6 +198,12 @@ def test_configs_check_their_fields_in_python_terms():
     assert p.FedAvgConfig(lr=1, batch_size=np.int64(8)).batch_size == 8 and p.PFedSimConfig(warmup=3).warmup == 3
     with pytest.raises(p.OptionError, match=r"PFedKDHConfig.lam must be in \[0, 1\]; got 5.0"):   # a concrete JAX value
         p.PFedKDHConfig(lam=jnp.array(5.0))
+    # an optax update function is callable but no function of the learning rate alone (before: accepted,
+    # and a TypeError about chain's update_fn deep in the first round)
+    with pytest.raises(p.OptionError, match=r"FedAvgConfig.optimizer must be an optax GradientTransformation, a "
+                                            r"function lr -> GradientTransformation, or None; got <function"):
+        p.FedAvgConfig(optimizer=optax.adam(1e-3).update)
+    assert p.FedAvgConfig(optimizer=optax.adam).optimizer is optax.adam
     with pytest.raises(ValueError, match=r"PFedKDHConfig has no field 'learning_rate'; traceable fields: lr"):
         p.PFedKDH(small_model()).with_hparams({"learning_rate": 0.1})
     # every method by its registered name, over a model of one's own
@@ -714,6 +720,10 @@ def test_what_a_methods_round_changes_or_leaves_out_is_named(digits, registry, c
             new, metrics = super().server_update_from_mean(state, data, selected, mean, rest, key)
             return new, {"clients": selected}
 
+    class StateOnly(p.FedPer):   # the metrics left out
+        def server_update_from_mean(self, state, data, selected, mean, rest, key):
+            return super().server_update_from_mean(state, data, selected, mean, rest, key)[0]
+
     class SharedHead(p.FedPer):
         def eval_models(self, state):
             return super().eval_models(state).replace(heads=p.take(state.heads, 0))
@@ -722,10 +732,15 @@ def test_what_a_methods_round_changes_or_leaves_out_is_named(digits, registry, c
     layout = p.Layout("sequential", "unrolled", chunk_steps=2)
     for cls, message in [(FloatRound, r"RoundRunner.round: FloatRound's round returns a state unlike the one it was "
                                       r"given \(.round: int32\[\] → float32\[\]\); every round would compile again"),
-                         (NoLoss, "RoundRunner.round: NoLoss's server step returns metrics without train_loss")]:
+                         (NoLoss, "RoundRunner.round: NoLoss's server step returns metrics without train_loss"),
+                         (StateOnly, r"StateOnly.server_update_from_mean must return \(state, metrics\), the metrics "
+                                     r"a dict with train_loss; got a PersonalHeadsState")]:
         algo = cls(small_model(), config)
         with pytest.raises(p.ProtocolError, match=message):
             p.RoundRunner(algo, digits, layout).round(algo.init(key, digits), digits, [0, 1], key)
+    algo = StateOnly(small_model(), config)   # the pure round too (before: "cannot unpack" in the runner)
+    with pytest.raises(p.ProtocolError, match=r"StateOnly.server_update_from_mean must return \(state, metrics\)"):
+        jax.jit(p.make_round(algo))(algo.init(key, digits), digits, jnp.array([0, 1]), key)
     shared = SharedHead(small_model(), config)
     with pytest.raises(ValueError, match=r"evaluate: SharedHead.eval_models gives heads without a client axis \(the "
                                          r"model's own head shapes\): .*pfedkdh_jax.broadcast\(head, K\)"):
@@ -799,6 +814,27 @@ def test_a_key_data_or_count_of_another_kind_is_named(digits):
         p.sample_schedule(jax.random.key(0), 3, 10, 2.0)
     with pytest.raises(DataError, match=r"ragged list cannot be stacked"):
         p.from_arrays([[1.0, 2.0], [3.0]], [0, 1], num_clients=2, alpha=1.0)
+
+
+class Pair(nn.Module):
+    """A backbone that returns two arrays."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8)(x.reshape(x.shape[0], -1))
+        return h, h
+
+
+def test_a_model_given_the_wrong_way_is_named(digits):
+    """Linen modules handed to NNXModel, and a backbone that returns a tuple, are one TypeError each
+    saying what to do (before: flax's 'Can't call compact methods on unbound modules', and
+    "'tuple' object has no attribute 'ndim'")."""
+    with pytest.raises(TypeError, match=r"NNXModel\(backbone=...\) takes flax.nnx modules; got a flax.linen Dense: "
+                                        r"linen modules go in LinenModel\(backbone, head\)"):
+        p.NNXModel(nn.Dense(8), nn.Dense(3))
+    with pytest.raises(TypeError, match=r"the backbone must return one array of features \[B, ...\]; it returned a "
+                                        r"tuple"):
+        p.FedAvg(p.LinenModel(Pair(), nn.Dense(10))).init(jax.random.key(0), digits)
 
 
 class HalfBackbone(nn.Module):

@@ -23,6 +23,7 @@ paper's plain SGD at that learning rate. This module imports no JAX.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 import types
@@ -101,7 +102,21 @@ def _kind_error(annotation, value) -> str | None:
 
 
 def _optimizer(value) -> bool:
-    return value is None or callable(value) or (hasattr(value, "init") and hasattr(value, "update"))
+    if value is None or (hasattr(value, "init") and hasattr(value, "update")):
+        return True
+    return callable(value) and _takes_one_argument(value)
+
+
+def _takes_one_argument(f) -> bool:
+    """Whether ``f`` can be called with the learning rate alone (an optax ``update`` function, which needs
+    its state too, cannot); a callable whose signature cannot be read is given the benefit of the doubt."""
+    try:
+        inspect.signature(f).bind(0.1)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def positive(v) -> bool:

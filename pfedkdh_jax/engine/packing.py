@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pfedkdh_jax.engine.protocol import Algorithm
+from pfedkdh_jax.engine.protocol import Algorithm, server_step_result
 from pfedkdh_jax.data.device import FederatedData, data_axes
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.round import LocalProblem, RoundPieces
@@ -156,7 +156,7 @@ class PackedRound:
         prepared = jax.vmap(lambda s, dt, sel, h: self.algo_of(h).round_start(s, dt, sel),
                             in_axes=(0, data_axes(data), 0, 0))(states, data, selected, hparams)
         updates, (useful, computed) = self.updates(prepared, data, selected, keys, hparams)
-        states, metrics = jax.vmap(lambda s, dt, sel, u, k, h: self.algo_of(h).server_update(s, dt, sel, u, k),
+        states, metrics = jax.vmap(lambda s, dt, sel, u, k, h: server_step_result(self.algo_of(h), self.algo_of(h).server_update(s, dt, sel, u, k)),
                                    in_axes=(0, data_axes(data), 0, 0, 0, 0))(
             states, data, selected, updates, keys, hparams)
         runs = selected.shape[0]

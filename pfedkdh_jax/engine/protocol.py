@@ -76,6 +76,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import typing
+from collections.abc import Mapping
 from typing import Any, Callable, ClassVar
 
 import flax.struct as struct
@@ -363,7 +364,8 @@ class Algorithm:
                                       f"(with server_update_from_mean): a method needs one of them")
         averaged, rest = jax.vmap(self.mean_upload)(updates)
         weights = jax.vmap(lambda k, u: upload_weight_of(self, data, k, u))(selected, updates)
-        return self.server_update_from_mean(state, data, selected, sample_mean(averaged, weights), rest, key)
+        return server_step_result(self, self.server_update_from_mean(
+            state, data, selected, sample_mean(averaged, weights), rest, key), "server_update_from_mean")
 
     def mean_upload(self, update: ClientUpdate) -> tuple[PyTree, ClientUpdate] | None:
         """``(averaged, rest)`` of one client's update (unstacked): ``averaged`` is what the server uses
@@ -548,6 +550,18 @@ def splits_uploads(algo: Algorithm) -> bool:
     that writes its own ``server_update`` is given the stacked updates, whatever it inherits)."""
     cls = type(algo)
     return cls.mean_upload is not Algorithm.mean_upload and cls.server_update is Algorithm.server_update
+
+
+def server_step_result(algo: Algorithm, out, piece: str = "server_update"):
+    """``out``, a server step's result, if it is ``(state, metrics)`` with metrics a mapping; else a
+    :class:`ProtocolError` naming the method and ``piece`` (before the caller fails to unpack it)."""
+    pair = isinstance(out, (tuple, list))
+    if not (pair and len(out) == 2 and isinstance(out[1], Mapping)):
+        got = f"a {type(out).__name__} of {len(out)}" if pair and len(out) != 2 else (
+            f"({type(out[0]).__name__}, {type(out[1]).__name__})" if pair else f"a {type(out).__name__}")
+        raise ProtocolError(f"{type(algo).__name__}.{piece} must return (state, metrics), the metrics a dict with "
+                            f"train_loss; got {got}")
+    return out
 
 
 def upload_weight_of(algo: Algorithm, data, client: jax.Array, update: ClientUpdate) -> jax.Array:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, StateError, check_pieces
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, StateError, check_pieces, server_step_result
 from pfedkdh_jax.data.device import FederatedData, check_data
 from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
@@ -131,7 +131,7 @@ class RoundPieces:
         if self.trace_scan and self.layout.step_loop != "scan" and isinstance(selected, jax.core.Tracer):
             pieces = dataclasses.replace(self, layout=dataclasses.replace(self.layout, step_loop="scan"))
         updates = pieces.updates(state, data, selected, key)
-        return self.algo.server_update(state, data, selected, updates, key)
+        return server_step_result(self.algo, self.algo.server_update(state, data, selected, updates, key))
 
     def prepare(self, state, data: FederatedData, key: jax.Array):
         """The method's ``before_training`` (once, before round 0; pFedKDH's optional warm-up), pure:

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pfedkdh_jax.engine.protocol import (Algorithm, ProtocolError, check_pieces, prepares_rounds, splits_uploads,
-                                         state_change, upload_weight_of)
+                                         server_step_result, state_change, upload_weight_of)
 from pfedkdh_jax.data.device import FederatedData, check_data, data_axes
 from pfedkdh_jax.engine import client_rows, scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
@@ -434,7 +434,8 @@ class _Means:
             total = jax.tree_util.tree_map(lambda *xs: functools.reduce(jnp.add, xs), *[s[0] for s in sums])
             w, like = sum(s[1] for s in sums), sums[0][2]
             mean = jax.tree_util.tree_map(lambda s, z: (s / w).astype(z.dtype), total, like)
-            return a.server_update_from_mean(state, data, sel, mean, rest, key)
+            return server_step_result(a, a.server_update_from_mean(state, data, sel, mean, rest, key),
+                                      "server_update_from_mean")
         self._shapes_of = compiled("mean_shapes", shapes, (0, d, 0, 0))
         self._shapes = None
         self.add = compiled("mean_add", lambda a: functools.partial(_mean_add, a), (0, 0, d, 0), donate=0)
@@ -634,7 +635,8 @@ class RoundRunner:
         self._context = compiled("context", lambda a: a.context, (0,))
         # the state the client pieces see: each ClientRows cut to the round's clients (client_rows.restrict)
         self._view = _NewLeaves(compiled, "client_rows_view", lambda a: client_rows.restrict, (0, 0))
-        self._server = compiled("server_update", lambda a: a.server_update, (0, d, 0, 0, 0), donate=state_donation)
+        self._server = compiled("server_update", lambda a: lambda *args: server_step_result(a, a.server_update(*args)),
+                                (0, d, 0, 0, 0), donate=state_donation)
         # sequential clients of a method that splits its uploads: a running mean instead of C uploads
         self._means = (_Means(compiled, d, 1 if self.spread is None else len(self.spread.devices), problem_of,
                               state_donation)
