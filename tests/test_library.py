@@ -812,6 +812,9 @@ def test_a_key_data_or_count_of_another_kind_is_named(digits):
         p.RoundRunner(p.FedAvg(small_model()), (np.zeros((4, 8, 8, 1)), np.zeros(4, int)))
     with pytest.raises(TypeError, match=r"sample_schedule: per_round must be an int; got float 2.0"):
         p.sample_schedule(jax.random.key(0), 3, 10, 2.0)
+    with pytest.raises(ValueError, match=r"Layout\(client_parallel='vmapp'\): must be one of \('vmap', 'sequential'\) "
+                                         r"or None"):   # when built (before: at the first round)
+        p.Layout("vmapp", "scan")
     with pytest.raises(DataError, match=r"ragged list cannot be stacked"):
         p.from_arrays([[1.0, 2.0], [3.0]], [0, 1], num_clients=2, alpha=1.0)
 

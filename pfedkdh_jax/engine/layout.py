@@ -63,6 +63,13 @@ class Layout:
     fused_steps: int | str = "auto"      # sequential clients of at most this many steps: one compiled call
                                          # each; "auto": the plans that pay (with a Workload); 0: none
 
+    def __post_init__(self):
+        # the two names a typo would otherwise carry to the first round (the rest: resolved())
+        for field, allowed in (("client_parallel", CLIENT_PARALLEL), ("step_loop", STEP_LOOPS)):
+            value = getattr(self, field)
+            if value is not None and value not in allowed:
+                raise ValueError(f"Layout({field}={value!r}): must be one of {allowed} or None (the backend's default)")
+
     def resolved(self, backend: str | None = None) -> "Layout":
         backend = backend or jax.default_backend()
         cpu = backend == "cpu"
