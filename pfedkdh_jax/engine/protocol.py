@@ -14,7 +14,8 @@ The feature size D is the model's own (:func:`feature_dim` reads it from the sha
 must be arrays only (no mutable collections such as batch statistics). The paper's CNN
 (:class:`pfedkdh_jax.model.CNN`) is one implementation; :mod:`pfedkdh_jax.adapters` wraps a flax.linen
 backbone/head pair (``LinenModel``) or flax.nnx modules (``NNXModel``). Methods reach a model only
-through these three functions (and :func:`logits`), so every method works with any conforming model;
+through these three functions (and :func:`logits`), so every method works with any conforming model
+(FedFed's own VAE, beside the model, needs image inputs);
 :func:`check_model` rejects a non-conforming object with one error naming what is missing.
 
 **The method** (:class:`Algorithm`). A method is a frozen dataclass deriving from :class:`Algorithm` that holds static hyperparameters
