@@ -663,6 +663,26 @@ def test_check_method_passes_a_sound_method_and_names_what_a_broken_one_breaks(r
         p.check_method(FloatRound(model, config), data, checks=("speed",))
 
 
+def test_check_method_tells_round_off_from_repetitions_that_depend_on_each_other(digits, monkeypatch):
+    """Where a repetition vmapped differs from its run alone, check_method runs the pair again with the
+    other repetition's seed changed: unchanged, the repetitions are independent, and the error says the
+    gap is round-off the method amplifies (FedFed's VAE) instead of pointing at a reduction over the
+    leading axis. Here the lone run is shifted by hand, so that only the lone run differs."""
+    from pfedkdh_jax.engine import conformance
+    real = conformance._pure_rounds
+
+    def shifted(*args, **kw):
+        run = real(*args, **kw)
+        return dataclasses.replace(run, state=jax.tree_util.tree_map(lambda x: x + 1 if jnp.issubdtype(
+            x.dtype, jnp.floating) else x, run.state))
+    monkeypatch.setattr(conformance, "_pure_rounds", shifted)
+    algo = p.FedPer(small_model(), p.FedPerConfig(local_epochs=1, batch_size=32))
+    with pytest.raises(p.ProtocolError, match=r"check_method\(FedPer\): repetition 0 of two vmapped against its run "
+                                              r"alone, the state: .* differs by 1 .*; yet it is the same whatever the "
+                                              r"other repetition holds: the repetitions are independent"):
+        p.check_method(algo, digits, checks=("repetitions",))
+
+
 def test_a_traced_personalize_flag_is_named(digits):
     """``personalize`` is static: traced (jit without static_argnames) or an array, it is one TypeError
     saying so, before anything is traced (before: flax or JAX failed deep in the trace, or not at all);

@@ -188,24 +188,42 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
 
 
 def _check_repetitions(algo, data, schedule, keys, seed, tol, name) -> None:
-    """Two seeds as repetitions vmapped over a leading axis, against each one alone."""
+    """Two seeds as repetitions vmapped over a leading axis, against each one alone. Where one differs,
+    the pair is run again with the other repetition's seed changed: if the first is then unchanged,
+    the repetitions are independent and the gap is round-off between the vmapped and the lone program,
+    which the error says (FedFed's VAE, trained with AdamW, grows it to ~1e-2 in two rounds)."""
     seeds = (seed, seed + 5)
     other = [np.roll(s, 1) for s in schedule]                  # the second repetition's own clients
     plans = {seeds[0]: schedule, seeds[1]: other}
-    state = tree_stack([algo.init(jax.random.key(s), data) for s in seeds])
     batched: dict[int, Any] = {}
-    for t, (i, enters) in enumerate(_round_phases(algo, len(schedule))):
-        phase = algo.phases[i]
-        if i not in batched:
-            batched[i] = jax.jit(jax.vmap(make_round(phase.algorithm, Layout(*LAYOUTS[1], chunk_steps=2)),
-                                          in_axes=(0, None, 0, 0)))
-        rep_keys = jnp.stack([jax.random.fold_in(keys[t], s) for s in seeds])
-        if enters and phase.enter is not None:
-            state = jax.jit(jax.vmap(phase.enter, in_axes=(0, None, 0)))(state, data, _phase_key(rep_keys, i))
-        sel = jnp.asarray(np.stack([plans[s][t] for s in seeds]))
-        state, _ = batched[i](state, data, sel, rep_keys)
+
+    def vmapped(pair):   # the pair's state after the rounds, repetition r on plans[seeds[r]]
+        state = tree_stack([algo.init(jax.random.key(s), data) for s in pair])
+        for t, (i, enters) in enumerate(_round_phases(algo, len(schedule))):
+            phase = algo.phases[i]
+            if i not in batched:
+                batched[i] = jax.jit(jax.vmap(make_round(phase.algorithm, Layout(*LAYOUTS[1], chunk_steps=2)),
+                                              in_axes=(0, None, 0, 0)))
+            rep_keys = jnp.stack([jax.random.fold_in(keys[t], s) for s in pair])
+            if enters and phase.enter is not None:
+                state = jax.jit(jax.vmap(phase.enter, in_axes=(0, None, 0)))(state, data, _phase_key(rep_keys, i))
+            sel = jnp.asarray(np.stack([plans[s][t] for s in seeds]))
+            state, _ = batched[i](state, data, sel, rep_keys)
+        return state
+    state = vmapped(seeds)
     for r, s in enumerate(seeds):
         alone = _pure_rounds(algo, data, LAYOUTS[1], plans[s], [jax.random.fold_in(k, s) for k in keys], s)
-        _compare(f"check_method({name}): repetition {r} of two vmapped against its run alone, the state",
-                 jax.tree_util.tree_map(lambda x: x[r], state), alone.state, tol,
-                 "a repetition's round depends on the other's (a reduction over the leading axis?)")
+        what = f"check_method({name}): repetition {r} of two vmapped against its run alone, the state"
+        mine = jax.tree_util.tree_map(lambda x: x[r], state)
+        try:
+            _compare(what, mine, alone.state, tol, "")
+        except ProtocolError:
+            partner = tuple(x if i == r else x + 11 for i, x in enumerate(seeds))   # the other one's seed changed
+            moved = jax.tree_util.tree_map(lambda x: x[r], vmapped(partner))
+            independent = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+                              zip(jax.tree_util.tree_leaves(mine), jax.tree_util.tree_leaves(moved)))
+            _compare(what, mine, alone.state, tol,
+                     "yet it is the same whatever the other repetition holds: the repetitions are independent and "
+                     "the gap is round-off between the vmapped and the lone program, which the method amplifies "
+                     "(a larger tol)" if independent else
+                     "a repetition's round depends on the other's (a reduction over the leading axis?)")
