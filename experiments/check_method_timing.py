@@ -18,8 +18,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# the package's classes by --method name (FedFed is checked at tol=3e-3: its VAE's AdamW turns round-off
-# into steps of the learning rate's size)
+# the package's classes by --method name (FedFed is checked at tol=3e-3, the tolerance it once passed at: its
+# VAE's AdamW turns round-off into steps of the learning rate's size)
 CLASSES = {"pfedkdh": "PFedKDH", "fedavg": "FedAvg", "fedprox": "FedProx", "fedper": "FedPer", "fedrep": "FedRep",
            "fedbabu": "FedBABU", "ditto": "Ditto", "pfedme": "PFedMe", "fedproto": "FedProto", "fedala": "FedALA",
            "pfedsim": "PFedSim", "fedfed": "FedFed"}
