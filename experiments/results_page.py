@@ -386,14 +386,34 @@ def spread_section(res: dict, sp: dict) -> list[str]:
             diffs.append(f"{col_name(col)} " + ", ".join(f"{a[k] - b[k]:+.2f}" for k in both)
                          + (f" (the paper's {ra[0] - rb[0]:+.2f})" if ra and rb else " (no paper figures)"))
     seed0 = m.get("seed0", "Table 2's point")   # where the study's data seed 0 comes from
-    return [f"## Over {len(m['data_seeds'])} partitions: {' and '.join(_label(r) for r in m['rows'])} on "
-            f"{', '.join(map(col_name, m['columns']))}",
+    names = (" and ".join(_label(r) for r in m["rows"]) if len(m["rows"]) <= 3 else
+             f"{len(m['rows'])} methods ({', '.join(_label(r) for r in m['rows'][:2])}, ...)")
+    order = [line for col in m["columns"] for line in [spread_order(res, sp, col)] if line]
+    return [f"## Over {len(m['data_seeds'])} partitions: {names} on {', '.join(map(col_name, m['columns']))}",
             f"Final round (50), %; data seed 0 is {seed0}, the others the study {_study(sp)}; seed 0; "
             "mean ± std over the partitions, gap = (our mean − paper) / paper std.", "",
             *_table(["row", "cell", "data seed " + " / ".join(map(str, m["data_seeds"])), "ours, mean ± std",
                      "paper", "gap"], rows), "",
             f"{_label(first)} − {_label(second)} on the same partition: "
-            + ("; ".join(diffs) or "no pair finished yet") + "."]
+            + ("; ".join(diffs) or "no pair finished yet") + ".", *(["", *order] if order else [])]
+
+
+def spread_order(res: dict, sp: dict, col: str) -> str | None:
+    """The order of a spread study's rows (those with the paper's figure and every data seed) by their mean
+    over the partitions, next to the paper's and to the order on data seed 0 alone, each with Kendall's τ
+    against the paper's; ``None`` with fewer than three such rows."""
+    m = sp["meta"]
+    rows = [r for r in m["rows"] if paper(res, r, col) and len(sp["values"].get((r, col), {})) == len(m["data_seeds"])]
+    if len(rows) < 3:
+        return None
+    mean = {r: _mean_std(list(sp["values"][(r, col)].values()))[0] for r in rows}
+    ours = sorted(rows, key=lambda r: (-mean[r], r))
+    one = sorted(rows, key=lambda r: (-sp["values"][(r, col)][0], r))
+    theirs = sorted(rows, key=lambda r: (-paper(res, r, col)[0], r))
+    return (f"{col_name(col)}, the {len(rows)} rows with the paper's figure and every partition, by the mean over the "
+            f"partitions: {' > '.join(_label(r) for r in ours)} (Kendall's τ against the paper's order "
+            f"{kendall_tau(ours, theirs):+.2f}; on data seed 0 alone {kendall_tau(one, theirs):+.2f}); the paper's: "
+            f"{' > '.join(_label(r) for r in theirs)}. Means closer than their stds are not an order.")
 
 
 # --------------------------------------------------------------------------------------- the section

@@ -231,3 +231,26 @@ def test_section_replaces_only_the_marked_part(results, tmp_path):
     assert text.startswith("# Benchmarks\n\n" + rp.BEGIN) and text.endswith(rp.END + "\n\n# Log\nkept\n")
     assert "STALE-TEXT" not in text
     assert rp.main(["--results", results, "--page", str(page), "--no-figures", "--check"]) == 0
+
+
+def test_a_spread_of_many_rows_gives_their_order_over_the_partitions(results):
+    """With three or more rows on every partition, a spread study's section orders them by their mean and
+    gives Kendall's τ against the paper's order, and that of data seed 0 alone (Table 2's point)."""
+    acc = "personalized_macro_accuracy"
+    for seed in (1, 2):
+        _point(results, "spread_mnist", f"mnist-a0.1-pfedkdh-lam0.0-data_seed{seed}", "pfedkdh", "mnist", 0.1,
+               {acc: 0.995, acc + "_ea": 0.995}, data_seed=seed)
+        _point(results, "spread_mnist", f"mnist-a0.1-fedper-data_seed{seed}", "fedper", "mnist", 0.1, {acc: 0.99},
+               data_seed=seed)
+        _point(results, "spread_mnist", f"mnist-a0.1-fedavg-data_seed{seed}", "fedavg", "mnist", 0.1,
+               {"global_macro_accuracy": 0.95}, data_seed=seed)
+    res = rp.load(results)
+    text = "\n".join(rp.spread_section(res, res["spreads"]["spread_mnist"]))
+    # data seed 0: FedPer 99.04 > pFedKDH 99.00 > FedAvg 95.83 (τ 1/3 against the paper's 99.12 > 98.61 > 94.43);
+    # the means: pFedKDH 99.33 > FedPer 99.01 > FedAvg 95.28
+    assert ("MNIST α = 0.1, the 3 rows with the paper's figure and every partition, by the mean over the partitions: "
+            "pFedKDH-Fair λ = 0 (default) > FedPer > FedAvg (global) (Kendall's τ against the paper's order +1.00; "
+            "on data seed 0 alone +0.33)") in text
+    assert "## Over 3 partitions: 12 methods (pFedKDH-Fair λ = 0 (default), FedPer, ...) on MNIST α = 0.1" in text
+    # two rows on every partition are no order
+    assert "by the mean over the partitions" not in "\n".join(rp.spread_section(res, res["spreads"]["spread"]))
