@@ -94,9 +94,10 @@ class CompileWatch:
     def __init__(self):
         self.events, self.seconds = 0, 0.0
         self._lock = threading.Lock()
+        self._open = False
 
     def _listen(self, name: str, seconds: float, **_) -> None:
-        if name.startswith(self.PREFIX):
+        if self._open and name.startswith(self.PREFIX):
             with self._lock:
                 self.events += 1
                 self.seconds += seconds
@@ -106,11 +107,15 @@ class CompileWatch:
             return self.events, self.seconds
 
     def __enter__(self) -> "CompileWatch":
+        self._open = True
         jax.monitoring.register_event_duration_secs_listener(self._listen)
         return self
 
     def __exit__(self, *exc) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._listen)
+        self._open = False   # a JAX without unregister keeps a listener that counts nothing more
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister is not None:
+            unregister(self._listen)
 
 
 def environment() -> dict[str, Any]:
