@@ -142,6 +142,8 @@ def test_invalid_partition_options_raise(overrides, option):
 
 
 def test_invalid_labels_raise():
+    # aux_size defaults to 0, as from_arrays's (before: a TypeError for the missing argument)
+    assert data.make_partition(np.repeat(np.arange(3), 40), num_clients=3, alpha=1.0).aux_idx.size == 0
     with pytest.raises(DataError):
         data.make_partition(np.zeros((3, 3), int), num_clients=2, alpha=1.0, aux_size=0)
     with pytest.raises(DataError):

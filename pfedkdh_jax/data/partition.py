@@ -136,12 +136,13 @@ def _top_up(rng: np.random.Generator, clients: list, min_size: int) -> list:
     return clients
 
 
-def make_partition(labels, *, num_clients: int, alpha: float, aux_size: int, min_client_samples: int = 10,
+def make_partition(labels, *, num_clients: int, alpha: float, aux_size: int = 0, min_client_samples: int = 10,
                    balance_cap: bool = False, train_fraction: float = 0.75, seed: int = 0,
                    max_redraws: int = 1000, fill: str = "auto") -> Partition:
     """Splits a pool into the auxiliary set D_s and ``num_clients`` label-skewed clients (method.md section 2).
 
-    1. D_s: ``aux_size`` pool indices drawn uniformly at random without replacement.
+    1. D_s: ``aux_size`` pool indices drawn uniformly at random without replacement (default 0: none, as
+       ``from_arrays``'s).
     2. The remaining N samples are partitioned class by class: for each class c (in increasing label order) the
        class's samples are shuffled, ``p_c ~ Dir(alpha * 1_K)`` is drawn and the samples are cut at
        ``floor(cumsum(p_c) * n_c)``.  With ``balance_cap=True`` (the PFLlib variant) a client already holding
