@@ -364,9 +364,13 @@ class CNN:
         shape = tuple(input_shape)
         # two 5×5 VALID convolutions, each followed by a 2×2 pool, leave (H − 4) // 2 − 4 ≥ 2 before the second pool
         if len(shape) != 3 or min(shape[:2]) < 16:
+            # the two layouts a grey or channels-first image set arrives in, each with its one-line remedy
+            hint = ("grey images without a channel axis: give from_arrays images[..., None]" if len(shape) == 2
+                    and min(shape) >= 16 else "channels first: give from_arrays images.transpose(0, 2, 3, 1)"
+                    if len(shape) == 3 and shape[0] <= 4 and min(shape[1:]) >= 16 else
+                    "use a model of your own for other inputs (pfedkdh_jax.LinenModel)")
             raise ValueError(f"CNN.init: the paper's CNN takes images (H, W, C) of at least 16×16 (two 5×5 VALID "
-                             f"convolutions and two 2×2 pools); got input_shape {shape}: use a model of your own "
-                             "for other inputs (pfedkdh_jax.LinenModel)")
+                             f"convolutions and two 2×2 pools); got input_shape {shape}: {hint}")
         kb, kh = jax.random.split(key)
         x = jnp.zeros((1,) + tuple(input_shape), jnp.float32)
         backbone = self.backbone.init(kb, x)["params"]

@@ -858,6 +858,13 @@ def test_a_model_given_the_wrong_way_is_named(digits):
     with pytest.raises(TypeError, match=r"the backbone must return one array of features \[B, ...\]; it returned a "
                                         r"tuple"):
         p.FedAvg(p.LinenModel(Pair(), nn.Dense(10))).init(jax.random.key(0), digits)
+    # the paper's CNN on images without a channel axis, or channels first: the remedy (before: "use a model
+    # of your own" for both)
+    for shape, remedy in [((28, 28), r"grey images without a channel axis: give from_arrays images\[..., None\]"),
+                          ((1, 28, 28), r"channels first: give from_arrays images.transpose\(0, 2, 3, 1\)"),
+                          ((6,), r"use a model of your own for other inputs")]:
+        with pytest.raises(ValueError, match=r"CNN.init: the paper's CNN takes images \(H, W, C\) .*" + remedy):
+            p.CNN(10).init(jax.random.key(0), shape)
 
 
 class HalfBackbone(nn.Module):
