@@ -758,6 +758,11 @@ def test_what_a_methods_round_changes_or_leaves_out_is_named(digits, registry, c
         algo = cls(small_model(), config)
         with pytest.raises(p.ProtocolError, match=message):
             p.RoundRunner(algo, digits, layout).round(algo.init(key, digits), digits, [0, 1], key)
+    # another method's state: named (before: "'PersonalHeadsState' object has no attribute 'head'")
+    with pytest.raises(ValueError, match=r"round: FedAvg cannot read a PersonalHeadsState \(.*\): a state of "
+                                           r"another method\? Build it with algo.init\(key, data\)"):
+        p.make_round(p.FedAvg(small_model(), config))(p.FedPer(small_model(), config).init(key, digits), digits,
+                                                     jnp.array([0, 1]), key)
     algo = StateOnly(small_model(), config)   # the pure round too (before: "cannot unpack" in the runner)
     with pytest.raises(p.ProtocolError, match=r"StateOnly.server_update_from_mean must return \(state, metrics\)"):
         jax.jit(p.make_round(algo))(algo.init(key, digits), digits, jnp.array([0, 1]), key)

@@ -177,7 +177,11 @@ def check_state_clients(algo: Algorithm, state, data: FederatedData, where: str,
     ``[R, K, ...]`` with ``rep_axis``); a method whose evaluation has no heads is not checked. ``data`` of
     another kind is a ``TypeError`` naming ``where``."""
     check_data(data, where)
-    models = jax.eval_shape(jax.vmap(algo.eval_models) if rep_axis else algo.eval_models, state)
+    try:
+        models = jax.eval_shape(jax.vmap(algo.eval_models) if rep_axis else algo.eval_models, state)
+    except AttributeError as e:   # another method's state (or a method reading a field its state lacks)
+        raise StateError(f"{where}: {type(algo).__name__} cannot read a {type(state).__name__} ({e}): a state of "
+                         f"another method? Build it with algo.init(key, data)") from e
     heads, tree = jax.tree_util.tree_flatten(models.heads)
     if heads:
         ref, ref_tree = jax.tree_util.tree_flatten(_model_shapes(algo, data)["head"])
