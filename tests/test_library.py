@@ -906,6 +906,16 @@ def test_a_bfloat16_model_keeps_its_dtypes_through_rounds_and_files(digits, tmp_
     assert dtypes(hosted) == dtypes(pure) == dtypes(state)
     back = p.load_state(p.save_state(tmp_path / "half.npz", pure), pure)
     assert dtypes(back) == dtypes(pure)
+    # check_method compares bfloat16 leaves to its tolerance (before: bit for bit, numpy's floating leaves it out)
+    from pfedkdh_jax.engine import conformance
+    one, near = {"w": jnp.ones(2, jnp.bfloat16)}, {"w": jnp.full(2, 1.0078125, jnp.bfloat16)}
+    conformance._compare("layouts", one, near, 0.1, "")
+    with pytest.raises(p.ProtocolError, match=r"layouts: .*w.* differs by 0.00781 \(tolerance 0.0001\)"):
+        conformance._compare("layouts", one, near, 1e-4, "")
+    # what is averaged must be floating (a mean of integers cut back to integers, silently, before)
+    from pfedkdh_jax.engine.protocol import sample_mean
+    with pytest.raises(TypeError, match=r"sample_mean: averages floating leaves only; \['n'\] is int32"):
+        sample_mean({"n": jnp.ones((2, 3), jnp.int32), "x": jnp.ones((2, 3))}, jnp.ones(2))
     assert all(np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree_util.tree_leaves(pure), jax.tree_util.tree_leaves(back)))
 

@@ -324,10 +324,12 @@ def test_eval_seconds_median_counts_only_the_rounds_that_evaluated():
     assert (alone["evaluations"], alone["eval_seconds_median"]) == (1, 9.0)
 
 
-def test_compile_seconds_is_unknown_after_a_single_round():
-    """Round 1 compiles: compile time is round 1 less the later rounds' median, so a one-round run has
-    none to report (null, not 0) and says its seconds_per_round includes compilation. The rows a
-    resumed session compiled in are marked and left out of the medians too."""
+def test_compile_seconds_from_rows_measured_and_from_before_the_measurement():
+    """Rows written before rows carried JAX's compile seconds: round 1 compiled, its compile time is
+    round 1 less the later rounds' median, so a one-round run has none to report (null, not 0) and says
+    its seconds_per_round includes compilation. The rows a resumed session compiled in are marked and
+    left out of the medians too, and their compile time counts (estimated so, or measured when the
+    resuming code measures it)."""
     import types
 
     from pfedkdh_jax.engine.layout import Layout
@@ -351,8 +353,16 @@ def test_compile_seconds_is_unknown_after_a_single_round():
         for t, s, e, marks in [(4, 6.0, 9.0, {"compiles": True, "eval_compiles": True}), (5, 3.0, 2.0, {}),
                                (6, 3.0, 2.0, {})]]
     again = records.summary(cfg, resumed, {}, runner, status="completed")
-    assert (again["seconds_per_round"], again["compile_seconds"], again["eval_seconds_median"]) == (2.5, 4.5, 1.5)
+    # round 1's 7.0 and round 4's 6.0 less the median 2.5 (before: round 1's only, 4.5)
+    assert (again["seconds_per_round"], again["compile_seconds"], again["eval_seconds_median"]) == (2.5, 8.0, 1.5)
     assert again["seconds_per_round_includes_compile"] is False
+    # resumed by today's code: its compiling row carries its measured seconds, added to the older estimate
+    resumed[3]["compile_seconds"] = 3.25
+    assert records.summary(cfg, resumed, {}, runner, status="completed")["compile_seconds"] == 4.5 + 3.25
+    # every row measured: the sum, a one-round run included
+    measured = [{**r, "compile_seconds": 5.0} if r["round"] == 1 else r for r in history]
+    assert records.summary(cfg, measured, {}, runner, status="completed")["compile_seconds"] == 5.0
+    assert records.summary(cfg, measured[:1], {}, runner, status="completed")["compile_seconds"] == 5.0
 
 
 def test_a_run_directory_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):

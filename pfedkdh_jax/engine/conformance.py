@@ -61,7 +61,7 @@ def _compare(what: str, a, b, tol: float, hint: str) -> None:
         x, y = np.asarray(x), np.asarray(y)
         if x.shape != y.shape:
             raise ProtocolError(f"{what}: {_path(path)} has shape {x.shape} against {y.shape}; {hint}")
-        if np.issubdtype(x.dtype, np.floating):
+        if jnp.issubdtype(x.dtype, jnp.inexact):   # bfloat16 too (numpy's floating does not take it)
             gap = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)), initial=0.0))
             scale = float(np.max(np.abs(y.astype(np.float64)), initial=0.0))
             if not gap <= tol * max(1.0, scale):
@@ -191,7 +191,7 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
 
 def _check_repetitions(algo, data, schedule, keys, seed, tol, name) -> None:
     """Two seeds as repetitions vmapped over a leading axis, against each one alone. Where one differs,
-    the pair is run again with the other repetition's seed changed: if the first is then unchanged,
+    the pair is run again with the other repetition's seed and clients changed: if the first is then unchanged,
     the repetitions are independent and the gap is round-off between the vmapped and the lone program,
     which the error says (FedFed's VAE, trained with AdamW, grows it to ~1e-2 in two rounds)."""
     seeds = (seed, seed + 5)
@@ -199,7 +199,8 @@ def _check_repetitions(algo, data, schedule, keys, seed, tol, name) -> None:
     plans = {seeds[0]: schedule, seeds[1]: other}
     batched: dict[int, Any] = {}
 
-    def vmapped(pair):   # the pair's state after the rounds, repetition r on plans[seeds[r]]
+    def vmapped(pair, moved=None):   # the pair's state after the rounds, repetition r on plans[seeds[r]]
+        # (the repetition ``moved``, if given, on other clients: each selected id + 1)
         state = tree_stack([algo.init(jax.random.key(s), data) for s in pair])
         for t, (i, enters) in enumerate(_round_phases(algo, len(schedule))):
             phase = algo.phases[i]
@@ -209,7 +210,7 @@ def _check_repetitions(algo, data, schedule, keys, seed, tol, name) -> None:
             rep_keys = jnp.stack([jax.random.fold_in(keys[t], s) for s in pair])
             if enters and phase.enter is not None:
                 state = jax.jit(jax.vmap(phase.enter, in_axes=(0, None, 0)))(state, data, _phase_key(rep_keys, i))
-            sel = jnp.asarray(np.stack([plans[s][t] for s in seeds]))
+            sel = jnp.asarray(np.stack([(plans[s][t] + (j == moved)) % data.num_clients for j, s in enumerate(seeds)]))
             state, _ = batched[i](state, data, sel, rep_keys)
         return state
     state = vmapped(seeds)
@@ -221,7 +222,7 @@ def _check_repetitions(algo, data, schedule, keys, seed, tol, name) -> None:
             _compare(what, mine, alone.state, tol, "")
         except ProtocolError:
             partner = tuple(x if i == r else x + 11 for i, x in enumerate(seeds))   # the other one's seed changed
-            moved = jax.tree_util.tree_map(lambda x: x[r], vmapped(partner))
+            moved = jax.tree_util.tree_map(lambda x: x[r], vmapped(partner, moved=1 - r))   # and its clients
             independent = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
                               zip(jax.tree_util.tree_leaves(mine), jax.tree_util.tree_leaves(moved)))
             _compare(what, mine, alone.state, tol,

@@ -358,8 +358,9 @@ class Algorithm:
     def server_update(self, state: PyTree, data, selected: jax.Array, updates: ClientUpdate,
                       key: jax.Array) -> tuple[PyTree, dict]:
         """The server step on the selected clients' stacked updates ``[C, ...]``. Default, for a method
-        that splits its uploads (:meth:`mean_upload`): :meth:`server_update_from_mean` on the
-        sample-weighted mean of the averaged parts (a method that splits does not override this)."""
+        that splits its uploads (:meth:`mean_upload`): :meth:`server_update_from_mean` on the mean of
+        the averaged parts weighted by :meth:`upload_weight` (a method that splits does not override this;
+        one that writes its own ``server_update`` does not read ``upload_weight``)."""
         if type(self).mean_upload is Algorithm.mean_upload:
             raise NotImplementedError(f"{type(self).__name__} defines neither server_update nor mean_upload "
                                       f"(with server_update_from_mean): a method needs one of them")
@@ -389,7 +390,7 @@ class Algorithm:
     def server_update_from_mean(self, state: PyTree, data, selected: jax.Array, mean: PyTree,
                                 rest: ClientUpdate, key: jax.Array) -> tuple[PyTree, dict]:
         """The server step of a method that splits its uploads: ``mean`` (no client axis) is the
-        sample-weighted mean of the averaged parts, ``rest`` the stacked rests ``[C, ...]``."""
+        weighted mean of the averaged parts (:meth:`upload_weight`), ``rest`` the stacked rests ``[C, ...]``."""
         raise NotImplementedError(_missing(self, "server_update_from_mean"))
 
     # ------------------------------------------------------------------------------ evaluation
@@ -575,10 +576,21 @@ def upload_weight_of(algo: Algorithm, data, client: jax.Array, update: ClientUpd
     return w.astype(jnp.float32)
 
 
+def check_floating(tree: PyTree, where: str) -> None:
+    """A ``TypeError`` naming ``where`` and the first leaf of ``tree`` that is not floating (what is
+    averaged must be: the mean of integers is not an integer)."""
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            raise TypeError(f"{where}: averages floating leaves only; {jax.tree_util.keystr(path) or 'the leaf'} is "
+                            f"{jnp.result_type(x)} (keep integer or boolean values out of what is averaged)")
+
+
 def sample_mean(trees: PyTree, weights: jax.Array) -> PyTree:
     """``Σ_c w_c · tree_c / Σ_c w_c`` over the leading axis ``[C, ...]`` of every leaf (``weights [C]``,
     e.g. the clients' train sample counts), summed in float32 (or a wider leaf's own dtype) and given
-    back in each leaf's dtype (a bfloat16 model stays bfloat16, as a server step's state must)."""
+    back in each leaf's dtype (a bfloat16 model stays bfloat16, as a server step's state must). Leaves
+    must be floating: a mean of integers or booleans is not one of them (a ``TypeError`` names the leaf)."""
+    check_floating(trees, "sample_mean")
     w = weights.astype(jnp.float32) / jnp.sum(weights.astype(jnp.float32))
 
     def mean(x):

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pfedkdh_jax.engine.protocol import (Algorithm, ProtocolError, check_pieces, prepares_rounds, splits_uploads,
-                                         server_step_result, state_change, upload_weight_of)
+                                         check_floating, server_step_result, state_change, upload_weight_of)
 from pfedkdh_jax.data.device import FederatedData, check_data, data_axes
 from pfedkdh_jax.engine import client_rows, scoring
 from pfedkdh_jax.engine.evaluate import adapted_clients, evaluation, image_problem, make_evaluate, spread_to_all
@@ -399,6 +399,7 @@ def _mean_split(a: Algorithm, update, data: FederatedData, sel):
     part weighted by ``a.upload_weight`` (by default its train samples; float32, or a wider leaf's own
     dtype), the weight, zero-size arrays of the parts' dtypes, and the rest."""
     part, rest = a.mean_upload(update)
+    check_floating(part, f"{type(a).__name__}.mean_upload's averaged part")
     w = upload_weight_of(a, data, sel, update)
     wide = lambda x: jnp.promote_types(x.dtype, jnp.float32)  # noqa: E731
     total = jax.tree_util.tree_map(lambda x: w.astype(wide(x)) * x.astype(wide(x)), part)
@@ -413,7 +414,7 @@ def _mean_add(a: Algorithm, acc, update, data: FederatedData, sel):
 
 
 class _Means:
-    """A round's sample-weighted mean of the selected clients' averaged parts, formed as they finish
+    """A round's weighted mean (``upload_weight``: by default the train samples) of the selected clients' averaged parts, formed as they finish
     (for a method that splits its uploads): each device keeps a running sum ``Σ n_k x_k`` and ``Σ n_k``
     (float32, or wider leaves' own dtype), each client's averaged part added into it in place (donated)
     and then dropped, so that a round holds one sum per device and the stacked rests instead of C

@@ -210,7 +210,9 @@ def _read_leaves(file: str, target: Any) -> Any:
     for (where, t), a in zip(flat, got):
         want = jax.random.key_data(t) if _is_key(t) else t if hasattr(t, "shape") else np.asarray(t)
         if a.dtype.kind == "V" and np.dtype(want.dtype).kind == "V" and a.dtype.itemsize == np.dtype(want.dtype).itemsize:
-            a = a.view(want.dtype)   # bfloat16 (float8, ...): .npz keeps their bytes under a void dtype
+            # bfloat16 (float8, ...): .npz keeps their bytes under a void dtype and not which type they were,
+            # so they are read as like's (a file of another such type of the same size is not told apart)
+            a = a.view(want.dtype)
         if a.shape != tuple(want.shape) or a.dtype != want.dtype:
             raise _LeafMismatch(f"leaf {jax.tree_util.keystr(where)} is {a.dtype}{list(a.shape)}, the state's is "
                                 f"{want.dtype}{list(want.shape)}")

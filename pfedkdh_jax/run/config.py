@@ -149,7 +149,7 @@ def preset(name: str, dataset: str) -> dict[str, Any]:
     if name not in PRESETS:
         raise ConfigError(f"--preset must be one of {', '.join(PRESETS)}; got {name!r}")
     if dataset == "digits":
-        # The embedded demo set (1797 images): fewer clients and a small D_s; about a minute on a CPU.
+        # The embedded demo set (1797 images): fewer clients and a small D_s; under a minute on a 2-core CPU.
         values = dict(num_clients=10, aux_size=300, rounds=20, local_epochs=2, alpha=0.5, ea_every=5)
     else:
         rounds, epochs = PAPER_SCHEDULE.get(dataset, (50, 2))

@@ -424,11 +424,10 @@ def _train(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, groups: list[_Group
                      and eng.runner.personalizes_at(t))   # EA where round t's phase has one
             t0 = time.perf_counter()
             rep_rows, train_s, eval_s = [[] for _ in cfgs], 0.0, 0.0
-            before, train_c, eval_c = watch.reading(), 0, 0   # compile events in training, in evaluation
+            before, eval_c = watch.reading(), 0   # compile events: the round's, in evaluation
             for g, group in enumerate(groups):
                 t1 = time.perf_counter()
                 runner_g = eng.runners[group.members[0][0]]   # batched: the one runner of every run
-                c1 = watch.reading()
                 states[g], train_m = runner_g.round(states[g], group.data, group.selected(t), group.round_key("train", t), t)
                 jax.block_until_ready(states[g])
                 t2 = time.perf_counter()
@@ -440,13 +439,14 @@ def _train(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, groups: list[_Group
                 t3 = time.perf_counter()
                 c3 = watch.reading()
                 train_s, eval_s = train_s + t2 - t1, eval_s + t3 - t2
-                train_c, eval_c = train_c + c2[0] - c1[0], eval_c + c3[0] - c2[0]
+                eval_c += c3[0] - c2[0]
                 sel = np.asarray(group.selected(t)).reshape(len(group.members), -1)
                 for r, ((i, seed), row) in enumerate(zip(group.members, per_rep)):
                     rep_rows[i].append({"round": t + 1, "seed": seed, **row, "clients": [int(k) for k in sel[r]]})
             seconds = time.perf_counter() - t0
-            after = watch.reading()
-            flags = ({"compiles": True} if train_c else {}) | ({"eval_compiles": True} if eval_c else {}) | (
+            after = watch.reading()   # a compile outside the evaluations counts as the training's
+            flags = ({"compiles": True} if after[0] - before[0] > eval_c else {}) | (
+                {"eval_compiles": True} if eval_c else {}) | (
                 {"compile_seconds": after[1] - before[1]} if after[0] > before[0] else {})
             for i, c in enumerate(cfgs):
                 row = records.combine(rep_rows[i])

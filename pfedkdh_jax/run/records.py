@@ -169,12 +169,16 @@ def summary(cfg, history: list[dict], part_summary: dict, runner,
     summary["eval_seconds_median"] = _steady_median(evals, "eval_seconds", "eval_compiles")[0] if evals else 0.0
     summary["evaluations"] = len(evals)
     summary["first_round_seconds"] = secs[0] if secs else None
-    # the seconds JAX reported compiling, summed over the rows (every session's); rows from before the
-    # measurement: round 1 less the median, unknown (None) with no round that did not compile, where
+    # the seconds JAX reported compiling, summed over the rows (every session's); a compiling row from
+    # before the measurement (round 1, or marked, without compile_seconds: a run resumed across the
+    # change) counts as its train seconds less the median; with no steady round, unknown (None), and
     # seconds_per_round is the compiling rounds' median, compilation included
     measured = [r["compile_seconds"] for r in history if "compile_seconds" in r]
-    summary["compile_seconds"] = (float(sum(measured)) if measured else
-                                  max(0.0, secs[0] - spr) if steady else None)
+    older = [r["train_seconds"] for i, r in enumerate(history)
+             if "compile_seconds" not in r and (i == 0 or r.get("compiles"))]
+    estimated = sum(max(0.0, s - spr) for s in older) if steady else None
+    summary["compile_seconds"] = (None if (estimated is None and older) or not (measured or older) else
+                                  float(sum(measured)) + (estimated or 0.0))
     summary["seconds_per_round_includes_compile"] = bool(secs) and not steady
     summary["engine"] = dataclasses.asdict(runner.layout)
     packed = [(r.get("reps") or [r])[0] for r in history]
