@@ -680,7 +680,7 @@ def test_check_method_tells_round_off_from_repetitions_that_depend_on_each_other
     with pytest.raises(p.ProtocolError, match=r"check_method\(FedPer\): repetition 0 of two vmapped against its run "
                                               r"alone, the state: .* differs by 1 .*; yet it is the same whatever the "
                                               r"other repetition holds: the repetitions are independent"):
-        p.check_method(algo, digits, checks=("repetitions",))
+        p.check_method(algo, digits, rounds=1, checks=("repetitions",))
 
 
 def test_a_traced_personalize_flag_is_named(digits):
