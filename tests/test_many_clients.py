@@ -330,7 +330,7 @@ def test_uploads_summed_as_they_come_give_the_stacked_rounds(tiny, name, monkeyp
 
 
 def test_a_method_weighs_its_uploads_its_own_way(tiny):
-    """``upload_weight``: pFedKDH whose clients weigh equally in the backbone's mean. The host loop's
+    """``upload_weight``: FedPer whose clients weigh equally in the backbone's mean. The host loop's
     running sums (sequential clients) and the one-call round (the default ``server_update``) give the
     rounds of a server step that takes the plain mean of the stacked uploads itself, and those differ
     from the sample-weighted rounds (the tiny clients' sizes differ). A weight that is not a scalar is
@@ -339,7 +339,7 @@ def test_a_method_weighs_its_uploads_its_own_way(tiny):
 
     from pfedkdh_jax.engine.protocol import ProtocolError
     _, _, data = tiny
-    base = algorithms.build(make_config("smoke", method="pfedkdh", rounds=2), data.num_classes)
+    base = algorithms.build(make_config("smoke", method="fedper", rounds=2), data.num_classes)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
 
     class Equal(type(base)):
