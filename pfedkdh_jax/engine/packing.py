@@ -156,8 +156,11 @@ class PackedRound:
         prepared = jax.vmap(lambda s, dt, sel, h: self.algo_of(h).round_start(s, dt, sel),
                             in_axes=(0, data_axes(data), 0, 0))(states, data, selected, hparams)
         updates, (useful, computed) = self.updates(prepared, data, selected, keys, hparams)
-        states, metrics = jax.vmap(lambda s, dt, sel, u, k, h: server_step_result(self.algo_of(h), self.algo_of(h).server_update(s, dt, sel, u, k)),
-                                   in_axes=(0, data_axes(data), 0, 0, 0, 0))(
+
+        def server(s, dt, sel, u, k, h):
+            a = self.algo_of(h)
+            return server_step_result(a, a.server_update(s, dt, sel, u, k))
+        states, metrics = jax.vmap(server, in_axes=(0, data_axes(data), 0, 0, 0, 0))(
             states, data, selected, updates, keys, hparams)
         runs = selected.shape[0]
         metrics = dict(metrics, packing_useful_steps=jnp.broadcast_to(useful, (runs,)),
