@@ -164,6 +164,34 @@ def test_two_model_methods_take_an_optimizer_that_reads_the_models_structure(dig
     np.testing.assert_allclose(a.head["kernel"], b.head["kernel"], rtol=1e-6, atol=1e-7)
 
 
+def test_head_phases_and_fine_tuning_take_the_methods_optimizer(digits):
+    """FedRep's head epochs and FedBABU's fine-tuning run the config's optimizer (they ran plain SGD
+    whatever it was): with one that never moves, FedRep's heads stay where they started and FedBABU's
+    fine-tuned scores are the global model's; a head trained on its own (FedRep's head epochs,
+    pFedKDH's refit and EA) meets an optimizer that reads a model's structure as a model's head."""
+    still = optax.set_to_zero()
+    sel, key, layout = jnp.array([0, 2], jnp.int32), jax.random.key(1), p.Layout("vmap", "scan")
+    rep = p.FedRep(small_model(), p.FedRepConfig(local_epochs=1, batch_size=32, head_epochs=1, optimizer=still))
+    state = rep.init(jax.random.key(0), digits)
+    new = jax.jit(p.make_round(rep, layout))(state, digits, sel, key)[0]
+    np.testing.assert_array_equal(new.heads["kernel"], state.heads["kernel"])
+    babu = p.FedBABU(small_model(), p.FedBABUConfig(local_epochs=1, batch_size=32, finetune_epochs=1, optimizer=still))
+    scores = jax.jit(p.make_evaluate(babu, layout), static_argnames="personalize")(
+        babu.init(jax.random.key(0), digits), digits, jax.random.key(2), personalize=True)
+    assert float(scores["personalized_macro_accuracy"]) == float(scores["global_macro_accuracy"])
+    masked = optax.adamw(1e-3, weight_decay=1e-2, mask={"backbone": True, "head": False})
+    for algo in (p.FedRep(small_model(), p.FedRepConfig(local_epochs=1, batch_size=32, head_epochs=1, optimizer=masked)),
+                 p.PFedKDH(small_model(), p.PFedKDHConfig(local_epochs=1, batch_size=32, lam=0.5, ea_steps=2,
+                                                          teacher_epochs=1, teacher_optimizer=masked,
+                                                          ea_optimizer=masked))):
+        state = algo.init(jax.random.key(0), digits)
+        new, metrics = jax.jit(p.make_round(algo, layout))(state, digits, sel, key)
+        assert np.isfinite(float(metrics["train_loss"])), algo.name
+        scores = jax.jit(p.make_evaluate(algo, layout), static_argnames="personalize")(
+            new, digits, jax.random.key(2), personalize=algo.personalization is not None)
+        assert np.isfinite(float(scores["personalized_macro_accuracy"])), algo.name
+
+
 def test_a_config_of_another_method_is_refused():
     """FedAvg(model, FedProxConfig(mu=100)) trained as plain FedAvg before, its mu unread."""
     with pytest.raises(TypeError, match=r"FedAvg\(config=...\) must be a FedAvgConfig; got a FedProxConfig"):

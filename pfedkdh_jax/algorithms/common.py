@@ -248,9 +248,25 @@ def gather_features(source, idx):
 def head_trainer(model: Model, *, lr: float, batch_size: int, epochs: int,
                  max_steps: int | None = None, optimizer=None) -> LocalTrainer:
     """SGD (or ``optimizer``, a :func:`make_tx` field) on a head over precomputed features (teacher
-    refit, head adaptation, FedRep)."""
-    return LocalTrainer(loss_fn=head_loss(model), tx=make_tx(optimizer, lr), gather=gather_features,
+    refit, head adaptation, FedRep's head epochs). The optimizer sees the head as the head part of a
+    model's ``{"backbone", "head"}`` tree (:func:`as_head_part`), as it does in local training."""
+    return LocalTrainer(loss_fn=head_loss(model), tx=as_head_part(make_tx(optimizer, lr)), gather=gather_features,
                         epochs=epochs, batch_size=batch_size, max_steps=max_steps)
+
+
+def as_head_part(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` over a bare head, shown to it as ``{"backbone": {}, "head": head}``: an optimizer that reads
+    a model's structure (``optax.adamw(mask={"backbone": True, "head": False})``, labels over both
+    parts) takes a head trained on its own as the head of a model; any other optimizer computes what it
+    computes on the bare head."""
+    def wrap(tree):
+        return None if tree is None else {"backbone": {}, "head": tree}
+
+    def update(updates, state, params=None):
+        updates, state = tx.update(wrap(updates), state, wrap(params))
+        return updates["head"], state
+
+    return optax.GradientTransformation(lambda params: tx.init(wrap(params)), update)
 
 
 def fit_head(trainer: LocalTrainer, head: PyTree, feats: jax.Array, labels: jax.Array,

@@ -224,7 +224,9 @@ class FedBABUConfig(LocalConfig):
                                   ">= 0")
     finetune_part: str = option("full", "what fine-tuning trains: full (body and head) or head",
                                 lambda v: v in FINETUNE_PARTS, "full or head")
-    finetune_optimizer: Any = option(None, "the fine-tuning's optimizer (at lr): " + OPTIMIZER_HELP, **_OPT)
+    finetune_optimizer: Any = option(None, "the fine-tuning's optimizer (at lr): an optax GradientTransformation, "
+                                     "a function lr -> GradientTransformation, or None (the same as optimizer)",
+                                     **_OPT)
 
     SMOKE: ClassVar[dict[str, Any]] = {"finetune_epochs": 1}
 

@@ -86,7 +86,7 @@ class FedBABU(FedAvg):
         c = self.config
         if c.finetune_epochs == 0:
             return None
-        tune = C.make_tx(c.finetune_optimizer, c.lr)
+        tune = C.make_tx(c.optimizer if c.finetune_optimizer is None else c.finetune_optimizer, c.lr)
         tx = tune if c.finetune_part == "full" else C.head_only(tune)
         trainer = C.sgd_trainer(C.cross_entropy_loss(self.model), tx, c, epochs=c.finetune_epochs)
 

@@ -5,16 +5,16 @@ Federated Learning", ICML 2021.
 
 Round t: selected client k sets θ_k ← θ_g and, with its persistent head φ_k,
 
-1. trains the head only, ``head_epochs`` epochs of SGD with θ_k frozen;
-2. then trains the representation only, E epochs of SGD with φ_k frozen;
+1. trains the head only, ``head_epochs`` epochs of the client optimizer (SGD by default) with θ_k frozen;
+2. then trains the representation only, E epochs of it with φ_k frozen;
 
 uploads θ_k (the head stays with the client), and the server sets θ_g ← Σ n_k θ_k / Σ n_k. Evaluation:
 (θ_g, φ_k) per client; no server-side head, so no ``global_*`` accuracy.
 
 How it runs on the shared engine: during the head epochs the representation is frozen, so a client's
 features do not change; ``client_start`` computes them once (one forward pass over the client's
-padded train row, in chunks) and fits the head on them with head-only SGD (``head_epochs`` epochs, a
-fresh shuffle each, ``lax.scan`` over dense steps only). The engine's
+padded train row, in chunks) and fits the head on them (``head_epochs`` epochs of the client optimizer
+with a state of its own, a fresh shuffle each, ``lax.scan`` over dense steps only). The engine's
 :class:`~pfedkdh_jax.engine.local.LocalTrainer` then runs the E representation epochs with a body-only
 optimizer (the head's update is exactly zero, so it stays bit-identical). The two phases have
 separate optimizers, as in the paper. This makes the head epochs cost about one forward pass instead
@@ -69,9 +69,11 @@ class FedRep(FedPer):
 
     @property
     def head_phase(self) -> LocalTrainer:
-        """The head epochs: ``head_epochs`` epochs of SGD on the head over fixed features."""
+        """The head epochs: ``head_epochs`` epochs of the client optimizer (its own state) on the head
+        over fixed features."""
         c = self.config
-        return C.head_trainer(self.model, lr=c.lr, batch_size=c.batch_size, epochs=c.head_epochs)
+        return C.head_trainer(self.model, lr=c.lr, batch_size=c.batch_size, epochs=c.head_epochs,
+                              optimizer=c.optimizer)
 
     def client_features(self, backbone, data: FederatedData, row: jax.Array) -> jax.Array:
         """Features ``[M, 512]`` of a client's padded train row under ``backbone`` (evaluation mode),
