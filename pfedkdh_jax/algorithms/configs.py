@@ -300,7 +300,8 @@ class FedALAConfig(LocalConfig):
 class PFedSimConfig(LocalConfig):
     """pFedSim: the FedAvg warm-up's length."""
 
-    rounds: int = option(50, "R, the run's rounds (R_w is a share of it)", at_least_one, ">= 1", cli=False)
+    rounds: int = option(50, "R, the run's rounds (R_w is a share of it; a run sets it, a loop of one's own "
+                         "must: its default is the paper's 50)", at_least_one, ">= 1", cli=False)
     warmup: float = option(0.5, "R_w: a fraction of the rounds if < 1, else a round count", non_negative,
                            ">= 0 (a fraction of the rounds if < 1, else a round count)")
     personal_rows: int = option(0, "rows kept for the stored models: 0 = one per client; 0 < N < K keeps them "

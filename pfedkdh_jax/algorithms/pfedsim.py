@@ -31,7 +31,9 @@ stored bodies (one ``[C, N]`` by ``[N, ...]`` contraction, N stored models).
 Hyperparameters (``--method-arg``):
 
 * ``warmup`` = 0.5 — R_w as a fraction of the run's rounds (⌊0.5·R⌋, the default of method.md §5.1
-  and of the authors' code, whose warm-up is half the rounds), or, if ≥ 1, a number of rounds.
+  and of the authors' code, whose warm-up is half the rounds), or, if ≥ 1, a number of rounds. R is
+  the config's ``rounds``: a run sets it to ``--rounds``; a loop of one's own sets it to its length
+  (the default 50 is the paper's).
 * ``personal_rows`` = 0 — where the stored models are kept: 0, one per client (``[K, ...]``, W
   ``[K, K]``); 0 < N < K, a :class:`~pfedkdh_jax.engine.client_rows.ClientRows` of N rows for the
   clients trained since the warm-up (the others hold the warm-up global model, its ``base``), and W
