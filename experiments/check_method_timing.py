@@ -1,6 +1,7 @@
 """How long ``check_method`` takes: README's example setting (400 digits over 4 clients, a one-layer MLP
 backbone of 64 features, one local epoch of batch 16), for the example method FedPerM and for each of
-the package's methods, every check; one JSON line per method (with the error where a check fails).
+the package's methods, every check; one JSON line per method (with the error where a check fails, and
+the RoundOffWarnings where a repetition's gap is round-off).
 
     python experiments/check_method_timing.py [--methods fedper,fedavg] [--out results.jsonl]
 
@@ -16,6 +17,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # FedFed is checked at tol=3e-3, the tolerance it once passed at (its VAE's AdamW turns round-off into steps
@@ -54,13 +56,17 @@ def main(argv=None) -> int:
             config = METHODS[name].config   # FedAvgConfig configures p.FedAvg, and so on
             algo = getattr(p, config.__name__.removesuffix("Config"))(model, config(local_epochs=1, batch_size=16))
         t0 = time.perf_counter()
-        try:
-            p.check_method(algo, data, tol=TOL.get(name, 1e-4))
-            error = None
-        except p.ProtocolError as e:   # recorded: the time to the first broken promise, and which
-            error = str(e)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", p.RoundOffWarning)
+            try:
+                p.check_method(algo, data, tol=TOL.get(name, 1e-4))
+                error = None
+            except p.ProtocolError as e:   # recorded: the time to the first broken promise, and which
+                error = str(e)
+        round_off = [str(w.message) for w in caught if issubclass(w.category, p.RoundOffWarning)]
         row = {"method": name, "seconds": round(time.perf_counter() - t0, 1), "passed": error is None,
-               **({"error": error} if error else {}), "backend": jax.default_backend(),
+               **({"error": error} if error else {}), **({"round_off": round_off} if round_off else {}),
+               "backend": jax.default_backend(),
                "device_kind": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d")}
         print(json.dumps(row), flush=True)
         if a.out:

@@ -46,7 +46,7 @@ _EXPORTS = {
     "Layout": "engine.layout", "Workload": "engine.layout", "LocalTrainer": "engine.local", "LocalState": "engine.local",
     "make_round": "engine.round", "make_evaluate": "engine.evaluate", "select_clients": "engine.round",
     "RoundRunner": "engine.runner", "PhasedRunner": "engine.runner", "sample_schedule": "engine.runner",
-    "check_method": "engine.conformance", "ProtocolError": "engine.protocol",
+    "check_method": "engine.conformance", "RoundOffWarning": "engine.conformance", "ProtocolError": "engine.protocol",
     # runs
     "RunConfig": "run.config", "ConfigError": "run.config", "make_config": "run.config",
     "run": ("run.experiment", "run"), "resume": ("run.experiment", "resume"),

@@ -22,14 +22,18 @@ Each check runs ``rounds`` jitted rounds (entering each later phase as a runner 
 Floating-point results are compared to ``tol`` (layouts reorder float32 sums: ~1e-5 after a few
 rounds of small steps; an optimizer that normalises its steps, such as Adam, can turn that round-off
 into steps of the learning rate's size, and statistics that follow them grow it further: FedFed's VAE, AdamW
-and BatchNorm, reaches ~1e-2 in two rounds on some machines, above ``tol=3e-3``; where a vmapped repetition
-differs from its lone run the error says whether the repetitions are independent). The test suite runs it over a method written outside the package
+and BatchNorm, reaches ~1e-2 in two rounds on some machines, above ``tol=3e-3``). Where a vmapped
+repetition differs from its lone run beyond ``tol``, the pair runs again with the other repetition's seed and
+clients changed: a repetition that is then bitwise the same is independent of the other, which is what that
+check is for, and the gap is a :class:`RoundOffWarning` (with its size), not a failure; otherwise a
+``ProtocolError`` says the repetitions depend on each other. The test suite runs it over a method written outside the package
 (``experiments/examples/own_method.py``) and over broken ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -45,6 +49,11 @@ from pfedkdh_jax.engine.round import check_state_clients, make_round, select_cli
 from pfedkdh_jax.engine.runner import PhasedRunner, _phase_key, phase_at, phase_starts   # the runner's own phases
 
 CHECKS = ("layouts", "retrace", "repetitions", "runner", "evaluation")
+
+
+class RoundOffWarning(RuntimeWarning):
+    """A vmapped repetition differs from its run alone beyond ``tol`` while it is bitwise the same
+    whatever the other repetition holds: round-off the method amplifies, not a dependence."""
 LAYOUTS = (("vmap", "scan"), ("sequential", "unrolled"))
 
 
@@ -192,8 +201,8 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
 def _check_repetitions(algo, data, schedule, keys, seed, tol, name) -> None:
     """Two seeds as repetitions vmapped over a leading axis, against each one alone. Where one differs,
     the pair is run again with the other repetition's seed and clients changed: if the first is then unchanged,
-    the repetitions are independent and the gap is round-off between the vmapped and the lone program,
-    which the error says (FedFed's VAE, trained with AdamW, grows it to ~1e-2 in two rounds)."""
+    the repetitions are independent and the gap is round-off between the vmapped and the lone program
+    (FedFed's VAE, trained with AdamW, grows it to ~1e-2 in two rounds), a warning; else a ProtocolError."""
     seeds = (seed, seed + 5)
     other = [np.roll(s, 1) for s in schedule]                  # the second repetition's own clients
     plans = {seeds[0]: schedule, seeds[1]: other}
@@ -225,8 +234,12 @@ def _check_repetitions(algo, data, schedule, keys, seed, tol, name) -> None:
             moved = jax.tree_util.tree_map(lambda x: x[r], vmapped(partner, moved=1 - r))   # and its clients
             independent = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
                               zip(jax.tree_util.tree_leaves(mine), jax.tree_util.tree_leaves(moved)))
-            _compare(what, mine, alone.state, tol,
-                     "yet it is the same whatever the other repetition holds: the repetitions are independent and "
-                     "the gap is round-off between the vmapped and the lone program, which the method amplifies "
-                     "(a larger tol)" if independent else
-                     "a repetition's round depends on the other's (a reduction over the leading axis?)")
+            if not independent:
+                _compare(what, mine, alone.state, tol,
+                         "a repetition's round depends on the other's (a reduction over the leading axis?)")
+            try:
+                _compare(what, mine, alone.state, tol, "")
+            except ProtocolError as e:   # what the check is for holds: a warning, not a failure
+                warnings.warn(f"{str(e).rstrip('; ')}; yet it is bitwise the same whatever the other repetition "
+                              "holds: the repetitions are independent and the gap is round-off between the vmapped "
+                              "and the lone program, which the method amplifies", RoundOffWarning, stacklevel=3)
