@@ -102,10 +102,7 @@ def load_study(root: str) -> dict:
     out = {"cells": {}, "curves": {}, "costs": {}, "points": 0, "meta": _json(os.path.join(root, "study.json"))}
     for d, cfg, summary, col, rows in _finished_points(root):
         out["points"] += 1
-        records = []
-        if os.path.exists(os.path.join(d, "metrics.jsonl")):
-            with open(os.path.join(d, "metrics.jsonl"), encoding="utf-8") as f:
-                records = [json.loads(line) for line in f if line.strip()]
+        records = _records(d)
         for row, key in rows:
             std = summary.get(key + "_std") if summary.get("reps", 1) > 1 else None
             out["cells"][(row, col)] = {"value": 100 * summary[key], "std": None if std is None else 100 * std}
@@ -115,23 +112,51 @@ def load_study(root: str) -> dict:
     return out
 
 
-def load_spread(root: str, cells: dict) -> dict:
+def _records(point_dir: str) -> list[dict]:
+    """A point's metrics.jsonl rows (none if it has no such file)."""
+    path = os.path.join(point_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_spread(root: str, cells: dict, curves: dict | None = None) -> dict:
     """The spread study's points on its columns, data seed 0 from the page's cells (Table 2's and
-    CIFAR-10's points, or the runs from before the studies): {(row, column): {data seed: %}}, with its
-    study.json as ``meta``."""
+    CIFAR-10's points, or the runs from before the studies): values {(row, column): {data seed: %}} and
+    curves {(row, column): {data seed: {round: %}}} (data seed 0's from ``curves``), with its study.json
+    as ``meta``."""
     meta = _json(os.path.join(root, "study.json"))
-    out: dict = {"meta": meta, "values": {}, "points": 0}
-    for _, cfg, summary, col, rows in _finished_points(root):
+    out: dict = {"meta": meta, "values": {}, "curves": {}, "points": 0}
+    for d, cfg, summary, col, rows in _finished_points(root):
         if not rows or col not in meta["columns"] or rows[0][0] not in meta["rows"]:
             continue
         out["points"] += 1
+        records = _records(d)
         for row, key in rows:
             out["values"].setdefault((row, col), {})[cfg.get("data_seed", 0)] = 100 * summary[key]
+            out["curves"].setdefault((row, col), {})[cfg.get("data_seed", 0)] = {
+                r["round"]: 100 * r[key] for r in records if key in r}
     for col in meta["columns"]:
         for row in _spread_rows(meta):
             if (row, col) in cells:
                 out["values"].setdefault((row, col), {})[0] = cells[(row, col)]["value"]
+            if (row, col) in (curves or {}):
+                out["curves"].setdefault((row, col), {})[0] = curves[(row, col)]
     return out
+
+
+def spread_band(res: dict, row: str, col: str):
+    """A row's curve over a spread study's partitions on a column: (rounds, mean, std) over the rounds
+    every partition scored, or None where no spread study has three partitions' curves of it."""
+    for sp in res.get("spreads", {}).values():
+        per_seed = [c for c in sp.get("curves", {}).get((row, col), {}).values() if c]
+        if len(per_seed) >= 3:
+            rounds = sorted(set.intersection(*(set(c) for c in per_seed)))
+            if rounds:
+                stats = [(statistics.mean(v), statistics.stdev(v)) for v in ([c[r] for c in per_seed] for r in rounds)]
+                return rounds, [m for m, _ in stats], [s for _, s in stats]
+    return None
 
 
 def _spread_rows(meta: dict) -> list[str]:
@@ -154,7 +179,7 @@ def load(results: str = RESULTS) -> dict:
     for study in ("table2", "cifar10"):
         res["cells"].update(res[study]["cells"])
         res["curves"].update(res[study]["curves"])
-    res["spreads"] = {name: load_spread(os.path.join(results, name), res["cells"])
+    res["spreads"] = {name: load_spread(os.path.join(results, name), res["cells"], res["curves"])
                       for name in sorted(os.listdir(results))
                       if name.startswith("spread") and os.path.exists(os.path.join(results, name, "study.json"))}
     return res
@@ -580,12 +605,16 @@ def section(res: dict) -> str:
     for part in (section_table2, section_costs, section_cpu, section_gpu, section_spread, section_ablation,
                  section_distillation):
         lines += part(res) + [""]
-    n = sum(1 for r, c in res["curves"] if r in CURVES and c in ("cifar10/0.05", "fashion_mnist/0.05"))
+    drawn = [(r, c) for r, c in res["curves"] if r in CURVES and c in ("cifar10/0.05", "fashion_mnist/0.05")]
+    banded = [f"{_label(r)} on {col_name(c)}" for r, c in drawn if spread_band(res, r, c)]
     return "\n".join(lines + [
         "## Figures", "", "![Table 2 per cell, ours next to the paper's](experiments/results/figures/table2.png)", "",
         "![Figure 2: convergence at α = 0.05](experiments/results/figures/figure2.png)", "",
-        f"Figure 2 draws {n} curves (the study points' metrics.jsonl; on CIFAR-10 the earlier runs' rounds until "
-        "the study has them); a panel without finished points says so.", "",
+        f"Figure 2 draws {len(drawn)} curves (the study points' metrics.jsonl; on CIFAR-10 the earlier runs' rounds "
+        "until the study has them); a panel without finished points says so. "
+        + (f"{len(banded)} of them are the mean over three partitions (data seeds 0–2, the spread studies' points; "
+           f"seed 0 each) with ± their std shaded: {'; '.join(banded)}. The paper's bands are over repetitions of one "
+           "partition; these are over partitions, one repetition each." if banded else ""), "",
         "![Component ablation, CIFAR-10 α = 0.05](experiments/results/figures/ablation.png)", "", END])
 
 
@@ -631,9 +660,16 @@ def figures(res: dict) -> dict[str, bytes]:
     for ax, col in zip(axes, ("cifar10/0.05", "fashion_mnist/0.05")):
         drawn = [row for row in CURVES if res["curves"].get((row, col))]
         for row in drawn:
-            curve = res["curves"][(row, col)]
+            curve, band = res["curves"][(row, col)], spread_band(res, row, col)
+            color = colors[row.replace("-ea", "")]
+            if band:   # the mean over the partitions, ± their std shaded (the paper's band is over repetitions)
+                rounds, mean, std = band
+                handles[row], = ax.plot(rounds, mean, marker=".", color=color, linestyle="--" if "-ea" in row else "-")
+                ax.fill_between(rounds, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                                color=color, alpha=0.15, linewidth=0)
+                continue
             handles[row], = ax.plot(sorted(curve), [curve[r] for r in sorted(curve)], marker=".",
-                                    color=colors[row.replace("-ea", "")], linestyle="--" if "-ea" in row else "-")
+                                    color=color, linestyle="--" if "-ea" in row else "-")
         earlier = any(res["cells"].get((row, col), {}).get("earlier") for row in drawn)
         ax.set_title(col_name(col) + (" (earlier runs, 2026-12-01/02)" if earlier else ""), fontsize=9)
         ax.set_xlabel("round", fontsize=8)
@@ -644,7 +680,8 @@ def figures(res: dict) -> dict[str, bytes]:
             ax.text(0.5, 0.5, "no finished study points yet", ha="center", va="center", transform=ax.transAxes)
     rows = [r for r in CURVES if r in handles]
     fig.legend([handles[r] for r in rows], [_label(r) for r in rows], loc="lower center", ncol=4, fontsize=7)
-    fig.suptitle("Figure 2: convergence at α = 0.05 (one seed; dashed: EA)", fontsize=10)
+    fig.suptitle("Figure 2: convergence at α = 0.05 (one seed; dashed: EA; a shaded band: the mean ± std over three "
+                 "partitions, data seeds 0–2; no band: data seed 0)", fontsize=9)
     out["figure2.png"] = png(fig)
 
     runs = res["ablation"]["runs"]

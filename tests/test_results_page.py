@@ -198,6 +198,11 @@ def test_spread_over_partitions(results):
             "| -11.9σ |") in text
     assert "| FedPer | F-MNIST α = 0.5 | – / – / – | – |" in text
     assert "F-MNIST α = 0.05 +1.00, -0.50, +1.00 (the paper's +0.21)" in text
+    # Figure 2's band: the mean ± std over the three partitions' curves (rounds 25 and 50: 0.5 and 1 of each value)
+    rounds, mean, std = rp.spread_band(res, "pfedkdh-lam0.0", col)
+    assert rounds == [25, 50] and mean == pytest.approx([48.0, 96.0]) and std == pytest.approx([0.5, 1.0])
+    assert rp.spread_band(res, "fedfed", "mnist/0.05") is None             # two partitions only: no band
+    assert "pFedKDH-Fair λ = 0 (default) on F-MNIST α = 0.05" in rp.section(res)
 
 
 def test_in_brief_opens_the_page_with_the_readings_below(results):
