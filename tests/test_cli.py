@@ -110,6 +110,9 @@ def test_a_pfedkdh_flag_named_like_a_methods_own_option_points_to_it(capsys):
     with pytest.raises(ConfigError, match=r"'zz' is not an option of pfedkdh \(it takes no --method-arg; its options "
                                           r"are the run's flags"):
         make_config("smoke", method="pfedkdh", method_args=(("zz", "1"),))
+    # one option twice (the prefixed form too): named, not the last taken without a word
+    with pytest.raises(ConfigError, match=r"--method-arg mu is given 2 times \(0.1, 0.2\): give it once"):
+        make_config("smoke", method="fedprox", method_args=(("mu", "0.1"), ("fedprox:mu", "0.2")))
 
 
 def test_the_count_of_clients_from_flags_file_and_rounding(tmp_path, monkeypatch, capsys, registry):
@@ -258,6 +261,9 @@ def test_lanes_run_from_the_cli_where_the_cpu_has_two_devices(tmp_path):
     (["run", "--rouds", "2"], "pfedkdh run: error: unrecognized arguments: --rouds 2; did you mean --rounds?"),
     (["sweep", "--seeds", "0,1,2"], "pfedkdh sweep: error: argument --seeds: invalid int value: '0,1,2'"),
     (["run", "--preset", "papr"], "pfedkdh run: error: argument --preset: invalid choice: 'papr'"),
+    # a run's repetitions are a sweep's seeds per point: each command names the other's flag
+    (["sweep", "--reps", "2"], "pfedkdh sweep: error: unrecognized arguments: --reps 2; did you mean --seeds?"),
+    (["run", "--seeds", "2"], "pfedkdh run: error: unrecognized arguments: --seeds 2; did you mean --reps?"),
 ])
 def test_a_mistyped_flag_is_one_line_from_its_command(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:

@@ -26,6 +26,7 @@ INVALID = {
     "--dropout": (st.one_of(st.floats(max_value=-1e-6, allow_nan=False, allow_infinity=False),
                             st.floats(min_value=1, max_value=1e6)), "--dropout"),
     "--reps": (st.integers(max_value=0), "--reps"),
+    "--data-seed": (st.integers(max_value=-1), "--data-seed"),   # numpy's partition seed (a traceback before)
     "--ea-steps": (st.integers(max_value=-1), "--ea-steps"),
     "--train-fraction": (st.one_of(st.floats(max_value=0, allow_nan=False, allow_infinity=False),
                                    st.floats(min_value=1, max_value=1e6)), "--train-fraction"),

@@ -265,13 +265,18 @@ def _config_file(args) -> dict:
     return spec
 
 
+# one option under another name in the other command: a run's repetitions are a sweep's seeds per point
+_OTHER_NAME = {("sweep", "--reps"): "--seeds", ("run", "--seeds"): "--reps"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:   # named by the command's parser, with the nearest option
+    if extra:   # named by the command's parser, with the nearest option (or the other command's name for it)
         command = parser.commands[args.command]
-        near = difflib.get_close_matches(extra[0].split("=")[0], command._option_string_actions, n=1,
-                                     cutoff=0.7)
+        flag = extra[0].split("=")[0]
+        near = ([_OTHER_NAME[args.command, flag]] if (args.command, flag) in _OTHER_NAME else
+                difflib.get_close_matches(flag, command._option_string_actions, n=1, cutoff=0.7))
         command.error(f"unrecognized arguments: {' '.join(extra)}" + (f"; did you mean {near[0]}?" if near else ""))
     _request_devices(args)
     terminated = []

@@ -314,6 +314,7 @@ def validate(cfg: RunConfig) -> RunConfig:
            f"got {cfg.per_round}")
     _check(cfg.synthetic_samples >= 2, f"--synthetic-samples must be >= 2; got {cfg.synthetic_samples}")
     _check(cfg.rounds >= 1, f"--rounds must be >= 1; got {cfg.rounds}")
+    _check(cfg.data_seed >= 0, f"--data-seed must be >= 0 (it seeds numpy's partition); got {cfg.data_seed}")
     _check(cfg.reps >= 1, f"--reps must be >= 1; got {cfg.reps}")
     _check(cfg.reps_mode in ("auto", "vmap", "sequential"),
            f"--reps-mode must be auto, vmap or sequential; got {cfg.reps_mode!r}")
