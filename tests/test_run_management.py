@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -122,6 +123,15 @@ def test_kill_mid_round_then_resume_is_bit_identical(tmp_path, reference):
     assert resume(str(out), progress=False, log=said.append)["status"] == "completed"
     assert (out / "summary.json").read_text() == before
     assert said == [f"{out}: already complete ({ROUNDS} rounds); nothing to resume"]
+    # killed in its last writes (after summary.json, before curves.png; its lock left behind): resume draws
+    # the figure and removes the dead process's lock (before: "already complete", and neither)
+    (out / "curves.png").unlink()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / "run.lock").write_text(f"{socket.gethostname()} {dead.pid}")
+    resume(str(out), progress=False, log=said.append)
+    assert (out / "curves.png").stat().st_size > 1000 and not (out / "run.lock").exists()
+    assert (out / "summary.json").read_text() == before
 
 
 def test_kill_mid_save_then_resume_is_bit_identical(tmp_path, reference):
@@ -195,7 +205,7 @@ def test_a_fresh_run_never_writes_over_a_run_or_a_sweep(tmp_path, reference, cap
     assert cli.main(["run", "--preset", "smoke", "--rounds", "1", "--out", str(reference), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert f"--out {reference} already holds a completed pfedkdh run ({ROUNDS} rounds): choose another" in err
-    assert f"`pfedkdh resume {reference}`" in err and err.count("\n") == 1
+    assert "resume" not in err and err.count("\n") == 1   # a finished run has nothing to continue
     assert (reference / "summary.json").read_text() == before
     sweep = tmp_path / "sweep"
     sweep.mkdir()
@@ -264,6 +274,16 @@ def test_report_table_and_figures(tmp_path, reference, capsys):
     assert "| s1/points/digits-a0.1-fedprox (diverged at round 1) | fedprox mu=0.1 |" in text and "22.10 † |" in text
     assert "| s2/points/digits-a0.1-fedprox (interrupted: no summary) |" in text
     assert text.endswith("† a run whose every round compiled (one round, say): its seconds per round include compiling")
+    # a run of repetitions keeps each one's per-client accuracies under "repetitions": their mean ± std is drawn
+    # (no clients.png before, without a word)
+    from pfedkdh_jax.run.report import _per_client, clients_figure
+    reps = {"repetitions": [{"per_client_personalized_accuracy": [0.5, 0.7, None]},
+                            {"per_client_personalized_accuracy": [0.7, 0.9, None]}],
+            "partition": {"label_histogram": [[1, 2], [3, 0], [0, 4]]}}
+    mean, std = _per_client(reps)
+    assert mean[:2] == pytest.approx([0.6, 0.8]) and std[:2] == pytest.approx([0.1, 0.1]) and mean[2] is std[2] is None
+    path = tmp_path / "clients-reps.png"
+    assert clients_figure({"summary": reps, "config": {"method": "fedrep"}}, str(path)) and path.stat().st_size > 1000
 
 
 def test_checkpoint_files_hold_the_state_and_refuse_another_shape(tmp_path):

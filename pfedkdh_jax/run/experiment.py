@@ -13,6 +13,7 @@ resume, open the run directories, train, finish.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -478,6 +479,17 @@ def _stop_on_divergence(cfgs, runs: _Runs, eng: _Engine, histories, rep_rows, t:
                 raise error(f"{problem}{who} at round {t + 1}{hint}; everything up to it is in {c.out}")
 
 
+def _plot_curves(c: RunConfig, history: list[dict], log) -> None:
+    """The run's curves.png (a failure is a warning: a plot must never lose a finished run)."""
+    try:
+        from pfedkdh_jax.run.plots import plot_curves
+        plot_curves(history, os.path.join(c.out, "curves.png"),
+                    title=f"{c.method} on {c.dataset}, α={c.alpha:g}"
+                          + (f", {c.reps} repetitions (mean ± std)" if c.reps > 1 else ""))
+    except Exception as e:
+        log(f"warning: curves.png not written: {e}")
+
+
 def _finish(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, histories: list, start: int, seconds: float,
             log) -> list[dict]:
     """Each run's summary.json (with its message bytes) and curves.png; returns the summaries.
@@ -492,13 +504,7 @@ def _finish(cfgs: list[RunConfig], runs: _Runs, eng: _Engine, histories: list, s
         if len(cfgs) > 1:
             summary["stacked_runs"] = [o.out for o in cfgs]   # its round times are the whole stack's
         records.write_json(os.path.join(c.out, "summary.json"), summary)
-        try:
-            from pfedkdh_jax.run.plots import plot_curves
-            plot_curves(histories[i], os.path.join(c.out, "curves.png"),
-                        title=f"{c.method} on {c.dataset}, α={c.alpha:g}"
-                              + (f", {c.reps} repetitions (mean ± std)" if c.reps > 1 else ""))
-        except Exception as e:  # a plot must never lose a finished run
-            log(f"warning: curves.png not written: {e}")
+        _plot_curves(c, histories[i], log)
         summary["out"] = c.out
         summaries.append(summary)
     return summaries
@@ -546,7 +552,8 @@ def _restore(ckpts, cfgs, groups, states, batched, log):
     for i, ck in enumerate(ckpts):
         got = ck.restore_latest(_run_states(i, groups, states, batched), upto=common) if common else None
         if got is None or (restored and got[0] != restored[0][0]):
-            log(f"no usable checkpoint of one round in {', '.join(c.out for c in cfgs)}: starting from round 0")
+            log(f"no usable checkpoint {'of one round in all of' if len(cfgs) > 1 else 'in'} "
+                f"{', '.join(c.out for c in cfgs)}: starting from round 0")
             return None
         restored.append(got)
     start = restored[0][0]
@@ -587,8 +594,22 @@ def _check_unused(out_dir: str) -> None:
                               f"`pfedkdh resume {out_dir}` or choose another --out")
         return
     what = f"a {held.get('status', 'finished')} {held.get('method', '')} run".replace("  ", " ")
+    more = ("" if held.get("status") == "completed" else   # a finished run has nothing to continue
+            f", or continue it with `pfedkdh resume {out_dir}`")
     raise ConfigError(f"--out {out_dir} already holds {what} ({held.get('rounds_completed', '?')} rounds): choose "
-                      f"another --out, remove it to start over, or continue it with `pfedkdh resume {out_dir}`")
+                      f"another --out or remove it to start over{more}")
+
+
+def _metrics_rows(run_dir: str) -> list[dict]:
+    """metrics.jsonl's rows, up to a line cut by an interruption."""
+    rows = []
+    with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                break
+    return rows
 
 
 def stored_summary(run_dir: str) -> dict | None:
@@ -681,10 +702,15 @@ def load_run_config(run_dir: str, **overrides) -> RunConfig:
 
 def resume(run_dir: str, *, progress: bool = True, log=print, **overrides) -> dict[str, Any]:
     """Continue the run in ``run_dir`` with the config stored there (and ``overrides``). A run already
-    complete is left as it is: its summary is returned."""
+    complete is left as it is (its summary is returned), but for what a process killed in its last writes
+    left undone: its curves.png is drawn, its lock removed."""
     cfg = validate(load_run_config(run_dir, **overrides))   # its method and dataset found (plugins), its options
     done = stored_summary(run_dir)
     if done and done.get("status") == "completed" and done.get("rounds_completed") == cfg.rounds:
+        with locked([run_dir]):   # a dead process's lock is taken over, and removed with this one
+            if not os.path.exists(os.path.join(run_dir, "curves.png")):
+                _plot_curves(dataclasses.replace(cfg, out=run_dir), _metrics_rows(run_dir), log)
+                log(f"{run_dir}: curves.png drawn (the run was stopped after its summary)")
         log(f"{run_dir}: already complete ({cfg.rounds} rounds); nothing to resume")
         return {**done, "out": run_dir}
     return run(cfg, progress=progress, log=log, resume=True)

@@ -96,6 +96,7 @@ def comparison_figure(runs: list[dict], path: str, title: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for r, name in zip(runs, _names([r["dir"] for r in runs])):
         pts = [(row["round"], row[KEY], row.get(f"{KEY}_std", 0.0)) for row in r["rows"] if KEY in row]
@@ -109,19 +110,38 @@ def comparison_figure(runs: list[dict], path: str, title: str = "") -> None:
         if any(sd):
             ax.fill_between(xs, [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)], alpha=0.2)
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))   # rounds are whole
     ax.set_ylabel("personalized macro accuracy (%)")
     ax.grid(alpha=0.3)
     if title:
         ax.set_title(title)
-    ax.legend(fontsize=8, loc="lower right")
+    if ax.get_lines():
+        ax.legend(fontsize=8, loc="lower right")
+    else:   # runs stopped before their first evaluation
+        ax.text(0.5, 0.5, "no evaluated round yet", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
+def _per_client(summary: dict) -> tuple[list | None, list | None]:
+    """Final per-client accuracies (None: a client not scored) and, with repetitions, their std over the
+    repetitions (the summary keeps each repetition's list under ``repetitions``; the mean is drawn)."""
+    acc = summary.get("per_client_personalized_accuracy")
+    if acc:
+        return acc, None
+    reps = [r.get("per_client_personalized_accuracy") for r in summary.get("repetitions") or []]
+    if not reps or not all(reps) or len({len(r) for r in reps}) != 1:
+        return None, None
+    cols = [[a for a in client if a is not None] for client in zip(*reps)]
+    mean = [sum(c) / len(c) if c else None for c in cols]
+    std = [(sum((a - m) ** 2 for a in c) / len(c)) ** 0.5 if c else None for c, m in zip(cols, mean)]
+    return mean, std
+
+
 def clients_figure(run: dict, path: str) -> bool:
     s = run["summary"]
-    acc = s.get("per_client_personalized_accuracy")
+    acc, std = _per_client(s)
     hist = (s.get("partition") or {}).get("label_histogram")
     if not acc or not hist:
         return False
@@ -131,9 +151,11 @@ def clients_figure(run: dict, path: str) -> bool:
     import numpy as np
     hist = np.asarray(hist, float)
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 6), dpi=120, sharex=True)
-    a1.bar(range(len(acc)), [np.nan if a is None else 100 * a for a in acc])   # None: a client not scored
+    a1.bar(range(len(acc)), [np.nan if a is None else 100 * a for a in acc],   # None: a client not scored
+           yerr=None if std is None else [0 if d is None else 100 * d for d in std], error_kw={"elinewidth": 0.8})
     scored = sum(a is not None for a in acc)
-    a1.set_ylabel("final accuracy (%)" + (f", {scored} of {len(acc)} scored" if scored < len(acc) else ""))
+    a1.set_ylabel("final accuracy (%)" + (f", {scored} of {len(acc)} scored" if scored < len(acc) else "")
+                  + (f"\nmean ± std of {len(s['repetitions'])} repetitions" if std is not None else ""))
     a1.set_title(f"{run['config'].get('method')} on {run['config'].get('dataset')}, α={run['config'].get('alpha')}")
     bottom = np.zeros(hist.shape[0])
     cmap = plt.get_cmap("tab10" if hist.shape[1] <= 10 else "tab20")
