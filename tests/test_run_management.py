@@ -266,6 +266,12 @@ def test_report_table_and_figures(tmp_path, reference, capsys):
     text = table(runs)
     assert "| s1/points/digits-a0.1-fedprox | fedprox mu=0.1 |" in text
     assert "| s2/points/digits-a0.1-fedprox | fedprox mu=0.01 |" in text
+    # pFedKDH's own options are run options: those away from their defaults named too (λ = 0.5, the paper's form)
+    kdh = [{"dir": f"/w/{n}", "rows": [], "summary": {"status": "completed"},
+            "config": {"method": "pfedkdh", "lam": lam, "temperature": 4.0, "dataset": "digits", "alpha": 0.1}}
+           for n, lam in (("a", 0.0), ("b", 0.5))]
+    text = table(kdh)
+    assert "| a | pfedkdh | digits |" in text and "| b | pfedkdh lam=0.5 | digits |" in text
     # a run that did not complete says so; one of one round marks its time, which includes compiling
     runs[0]["summary"] = {"status": "diverged at round 1", "seconds_per_round": 22.1,
                           "seconds_per_round_includes_compile": True}

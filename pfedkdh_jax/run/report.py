@@ -72,13 +72,24 @@ def table(runs: list[dict]) -> str:
         mark = ""
         if s.get("seconds_per_round_includes_compile"):
             mark, compiled = " †", True
-        method = " ".join([str(c.get("method"))] + [f"{k}={v}" for k, v in c.get("method_args") or []])
+        method = " ".join([str(c.get("method"))] + _own_run_options(c)
+                          + [f"{k}={v}" for k, v in c.get("method_args") or []])
         lines.append(f"| {name} | {method} | {c.get('dataset')} | "
                      f"{c.get('alpha')} | {_pm(s, KEY)} | {_pm(s, 'best_' + KEY)} | {_pm(s, KEY + '_ea')} | "
                      f"{'–' if spr is None else f'{spr:.2f}{mark}'} | {s.get('rounds_completed', len(r['rows']))} |")
     if compiled:
         lines.append("\n† a run whose every round compiled (one round, say): its seconds per round include compiling")
     return "\n".join(lines)
+
+
+def _own_run_options(config: dict) -> list[str]:
+    """The run options of the method's own (pFedKDH's λ, T, μ, ...) set away from their defaults, as
+    ``key=value``: two pFedKDH runs of another λ are told apart on their rows."""
+    from pfedkdh_jax.algorithms import METHODS   # the registry (no JAX)
+    from pfedkdh_jax.run.config import RunConfig
+    spec, defaults = METHODS.get(config.get("method")), RunConfig()
+    return [f"{k}={config[k]}" for k in sorted(spec.run_options if spec else ())
+            if k in config and config[k] != getattr(defaults, k, config[k])]
 
 
 def _names(dirs: list[str]) -> list[str]:
