@@ -53,10 +53,12 @@ def test_repetition_in_a_batch_equals_the_seed_alone(tiny, form):
                                    atol=1e-5)
 
 
-def test_cli_reps_vmap_equals_sequential_and_reports_mean_std(tmp_path):
+def test_cli_reps_vmap_equals_sequential_and_reports_mean_std(tmp_path, capsys):
     from pfedkdh_jax.run import cli
     common = ["run", "--preset", "smoke", "--reps", "2", "--no-progress", "--chunk-steps", "4", "--clients", "6"]
     assert cli.main([*common, "--reps-mode", "vmap", "--out", str(tmp_path / "v")]) == 0
+    printed = capsys.readouterr().out   # the closing figures: each mean with its std (means only before)
+    assert '"personalized_macro_accuracy_std"' in printed and '"seconds_per_round_std"' not in printed
     assert cli.main([*common, "--reps-mode", "sequential", "--out", str(tmp_path / "s")]) == 0
     v = json.loads((tmp_path / "v" / "summary.json").read_text())
     s = json.loads((tmp_path / "s" / "summary.json").read_text())

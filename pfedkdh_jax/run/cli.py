@@ -534,6 +534,8 @@ def _guarded(job) -> int:
             "best_personalized_macro_accuracy", "seconds_per_round", "compile_seconds"]
     if summary.get("seconds_per_round_includes_compile"):   # every round compiled (one round, say)
         keys.append("seconds_per_round_includes_compile")
+    if (summary.get("reps") or 1) > 1:   # the means, each with its std over the repetitions
+        keys = [k for key in keys for k in ((key, key + "_std") if "accuracy" in key else (key,))]
     print(json.dumps({k: summary[k] for k in keys if summary.get(k) is not None}, indent=2))   # what it has
     print(f"run directory: {summary['out']}")
     return 0
