@@ -64,6 +64,9 @@ def main(argv=None) -> int:
             except p.ProtocolError as e:   # recorded: the time to the first broken promise, and which
                 error = str(e)
         round_off = [str(w.message) for w in caught if issubclass(w.category, p.RoundOffWarning)]
+        for w in caught:   # the others as they came
+            if not issubclass(w.category, p.RoundOffWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         row = {"method": name, "seconds": round(time.perf_counter() - t0, 1), "passed": error is None,
                **({"error": error} if error else {}), **({"round_off": round_off} if round_off else {}),
                "backend": jax.default_backend(),

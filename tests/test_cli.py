@@ -110,9 +110,16 @@ def test_a_pfedkdh_flag_named_like_a_methods_own_option_points_to_it(capsys):
     with pytest.raises(ConfigError, match=r"'zz' is not an option of pfedkdh \(it takes no --method-arg; its options "
                                           r"are the run's flags"):
         make_config("smoke", method="pfedkdh", method_args=(("zz", "1"),))
-    # one option twice (the prefixed form too): named, not the last taken without a word
-    with pytest.raises(ConfigError, match=r"--method-arg mu is given 2 times \(0.1, 0.2\): give it once"):
-        make_config("smoke", method="fedprox", method_args=(("mu", "0.1"), ("fedprox:mu", "0.2")))
+    # one option twice on the command line (the prefixed form too): named, not the last taken without a word
+    assert cli.main(["run", "--no-progress", "--method", "fedprox", "--method-arg", "mu=0.1",
+                     "--method-arg", "fedprox:mu=0.2"]) == 2
+    assert capsys.readouterr().err.strip() == "pfedkdh: error: --method-arg mu is given 2 times (0.1, 0.2): give it once"
+    assert cli.main(["sweep", "--datasets", "digits", "--methods", "fedprox", "--method-arg", "fedprox:mu=0.1",
+                     "--method-arg", "fedprox:mu=0.2"]) == 2
+    assert "--method-arg fedprox:mu is given 2 times (0.1, 0.2): give it once" in capsys.readouterr().err
+    # a flag over a --config file's value of the same option: the flag's, the file's others kept
+    assert cli._flags_over_file([("mu", "0.1"), ("x", "1")], [("fedprox:mu", "0.01")]) == (("x", "1"),
+                                                                                            ("fedprox:mu", "0.01"))
 
 
 def test_the_count_of_clients_from_flags_file_and_rounding(tmp_path, monkeypatch, capsys, registry):
@@ -249,7 +256,7 @@ def test_lanes_run_from_the_cli_where_the_cpu_has_two_devices(tmp_path):
         p = subprocess.run([sys.executable, "-m", "pfedkdh_jax", "run", "--dataset", "digits", "--rounds", "1",
                             "--clients", "40", "--participation", "0.1",   # 4 a round: a mesh would split them
                             "--lanes", "2", "--client-parallel", "vmap", "--step-loop", "scan", "--no-progress",
-                            "--ea-steps", "0",   # what is checked is the round; EA would compile its own steps
+                            *(["--ea-steps", "0"] if not extra else []),   # EA in the pass with repetitions only
                             "--checkpoint-every", "0", "--out", str(tmp_path / f"run{len(extra)}"), *extra],
                            capture_output=True, text=True, timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-1500:]

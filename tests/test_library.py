@@ -696,7 +696,8 @@ def test_check_method_tells_round_off_from_repetitions_that_depend_on_each_other
     other repetition's seed changed: unchanged, the repetitions are independent, and the gap is a
     RoundOffWarning saying so (FedFed's VAE amplifies round-off), not a failure pointing at a reduction over
     the leading axis. Here the lone run is shifted by hand, so that only the lone run differs; a repetition
-    that reads the other's values still fails."""
+    that reads the other's values still fails, and so does one whose lone run, traced again, computes other
+    numbers (a value drawn when traced: no round-off)."""
     from pfedkdh_jax.engine import conformance
     real = conformance._pure_rounds
 
@@ -722,6 +723,17 @@ def test_check_method_tells_round_off_from_repetitions_that_depend_on_each_other
                 pool, jax.ShapeDtypeStruct(b.shape, b.dtype), b, vmap_method="expand_dims") if b.ndim == 1 else b,
                 state.backbone)
             return state.replace(backbone=backbone), metrics
+    @dataclasses.dataclass(frozen=True)
+    class HostNoise(p.FedPer):   # a number drawn in Python when traced: each program holds its own
+        @property
+        def trainer(self):
+            t = super().trainer
+            scale = float(np.random.default_rng().uniform(0.5, 1.5))
+            return dataclasses.replace(t, loss_fn=lambda *a: scale * t.loss_fn(*a))
+    with pytest.raises(p.ProtocolError, match=r"check_method\(HostNoise\): repetition 0 .* its run alone, traced "
+                                              r"again, gives other numbers: a piece draws or reads a value when traced"):
+        p.check_method(HostNoise(small_model(), p.FedPerConfig(local_epochs=1, batch_size=32)), digits, rounds=1,
+                       checks=("repetitions",))
     pooled = Pooled(small_model(), p.FedPerConfig(local_epochs=1, batch_size=32))
     with pytest.raises(p.ProtocolError, match=r"check_method\(Pooled\): repetition 0 of two vmapped against its run "
                                               r"alone, the state: .* differs by .*; a repetition's round depends on "

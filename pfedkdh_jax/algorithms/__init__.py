@@ -183,11 +183,6 @@ def parse_method_args(method: str, pairs, cfg=None) -> dict[str, Any]:
     config ``cfg`` too when given). Raises ValueError (one line)."""
     spec = METHODS[method]
     out = dict(spec.args)
-    pairs = list(pairs)
-    for key in dict.fromkeys(k for k, _ in pairs):
-        given = [text for k, text in pairs if k == key]
-        if len(given) > 1:   # the last would win without a word
-            raise ValueError(f"--method-arg {key} is given {len(given)} times ({', '.join(map(str, given))}): give it once")
     for key, text in pairs:
         if key not in spec.args:
             allowed = (f"its own options: {', '.join(sorted(spec.args))}" if spec.args else

@@ -81,7 +81,8 @@ class FedBABU(FedAvg):
 
     @property
     def personalization(self) -> Personalization | None:
-        """``finetune_epochs`` epochs of SGD on each client's train split (whole model or head only),
+        """``finetune_epochs`` epochs of the fine-tuning optimizer (``optimizer`` unless
+        ``finetune_optimizer``) on each client's train split (whole model or head only),
         from the global model (θ_g, φ⁰); every client is scored with its fine-tuned model."""
         c = self.config
         if c.finetune_epochs == 0:

@@ -63,7 +63,7 @@ class FedRep(FedPer):
 
     @property
     def trainer(self) -> LocalTrainer:
-        """The representation epochs: E epochs of body-only SGD (the head is frozen)."""
+        """The representation epochs: E epochs of the client optimizer on the body (the head is frozen)."""
         c = self.config
         return C.sgd_trainer(C.cross_entropy_loss(self.model), C.body_only(C.client_tx(c)), c)
 

@@ -24,9 +24,11 @@ rounds of small steps; an optimizer that normalises its steps, such as Adam, can
 into steps of the learning rate's size, and statistics that follow them grow it further: FedFed's VAE, AdamW
 and BatchNorm, reaches ~1e-2 in two rounds on some machines, above ``tol=3e-3``). Where a vmapped
 repetition differs from its lone run beyond ``tol``, the pair runs again with the other repetition's seed and
-clients changed: a repetition that is then bitwise the same is independent of the other, which is what that
-check is for, and the gap is a :class:`RoundOffWarning` (with its size), not a failure; otherwise a
-``ProtocolError`` says the repetitions depend on each other. The test suite runs it over a method written outside the package
+clients changed, and the lone run traced again: a repetition that is then bitwise the same, beside a lone
+run that is too, with every value finite, is independent of the other and nothing in it was fixed when
+traced, which is what that check is for; the gap is a :class:`RoundOffWarning` (with its size), not a
+failure. Otherwise a ``ProtocolError`` says which (the repetitions depend on each other, or a piece draws a
+value when traced). The test suite runs it over a method written outside the package
 (``experiments/examples/own_method.py``) and over broken ones.
 """
 
@@ -198,11 +200,18 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
     return scores
 
 
+def _bitwise_equal(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y), equal_nan=jnp.issubdtype(x.dtype, jnp.inexact))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
 def _check_repetitions(algo, data, schedule, keys, seed, tol, name) -> None:
     """Two seeds as repetitions vmapped over a leading axis, against each one alone. Where one differs,
-    the pair is run again with the other repetition's seed and clients changed: if the first is then unchanged,
-    the repetitions are independent and the gap is round-off between the vmapped and the lone program
-    (FedFed's VAE, trained with AdamW, grows it to ~1e-2 in two rounds), a warning; else a ProtocolError."""
+    the pair is run again with the other repetition's seed and clients changed, and the lone run traced
+    again: if the first is then unchanged, the repetitions are independent; if the second is unchanged
+    too (and every value finite), nothing was fixed when traced, and the gap is round-off between the
+    vmapped and the lone program (FedFed's VAE, trained with AdamW, grows it to ~1e-2 in two rounds): a
+    warning. Otherwise a ProtocolError saying which."""
     seeds = (seed, seed + 5)
     other = [np.roll(s, 1) for s in schedule]                  # the second repetition's own clients
     plans = {seeds[0]: schedule, seeds[1]: other}
@@ -232,14 +241,22 @@ def _check_repetitions(algo, data, schedule, keys, seed, tol, name) -> None:
         except ProtocolError:
             partner = tuple(x if i == r else x + 11 for i, x in enumerate(seeds))   # the other one's seed changed
             moved = jax.tree_util.tree_map(lambda x: x[r], vmapped(partner, moved=1 - r))   # and its clients
-            independent = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
-                              zip(jax.tree_util.tree_leaves(mine), jax.tree_util.tree_leaves(moved)))
+            independent = _bitwise_equal(mine, moved)
             if not independent:
                 _compare(what, mine, alone.state, tol,
                          "a repetition's round depends on the other's (a reduction over the leading axis?)")
+            again = _pure_rounds(algo, data, LAYOUTS[1], plans[s], [jax.random.fold_in(k, s) for k in keys], s)
+            if not _bitwise_equal(again.state, alone.state):   # traced anew, the same program computes other numbers
+                _compare(what, mine, alone.state, tol, "and its run alone, traced again, gives other numbers: a piece "
+                         "draws or reads a value when traced (numpy, Python's random, a global), so each program "
+                         "holds its own")
+            if not all(np.isfinite(np.asarray(x, np.float64)).all() for x in jax.tree_util.tree_leaves((mine, alone.state))
+                       if jnp.issubdtype(x.dtype, jnp.inexact)):
+                _compare(what, mine, alone.state, tol, "a value is not finite")
             try:
                 _compare(what, mine, alone.state, tol, "")
             except ProtocolError as e:   # what the check is for holds: a warning, not a failure
                 warnings.warn(f"{str(e).rstrip('; ')}; yet it is bitwise the same whatever the other repetition "
-                              "holds: the repetitions are independent and the gap is round-off between the vmapped "
-                              "and the lone program, which the method amplifies", RoundOffWarning, stacklevel=3)
+                              "holds: the repetitions are independent (and the lone run, traced again, is the same: "
+                              "nothing fixed when traced), and the gap is round-off between the vmapped and the lone "
+                              "program, which the method amplifies", RoundOffWarning, stacklevel=3)

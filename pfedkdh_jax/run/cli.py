@@ -327,7 +327,8 @@ def _command(args) -> int:
             bad = [a for a in args.method_args if "=" not in a]
             if bad:
                 raise ConfigError(f"--method-arg must be KEY=VALUE; got {bad[0]!r}")
-            values["method_args"] = tuple(tuple(a.split("=", 1)) for a in args.method_args)
+            values["method_args"] = _flags_over_file(values.get("method_args", ()),
+                                                     [tuple(a.split("=", 1)) for a in args.method_args])
         cfg = make_config(preset_name or "default", **values)
         from pfedkdh_jax.run.experiment import default_out_dir, run  # jax imported only now
         cfg = dataclasses.replace(cfg, out=cfg.out or default_out_dir(cfg))
@@ -394,13 +395,15 @@ def _sweep(args) -> int:
                 raise ConfigError(f"--grid {key}: values must be {getattr(typ, '__name__', 'true/false')}; "
                                   f"got {values!r}") from None
         margs = {m: list(p) for m, p in axes.get("method_args", {}).items()}
+        flags: dict[str, list] = {}
         for item in args.sweep_method_args or []:
             if ":" not in item or "=" not in item.split(":", 1)[1]:
                 raise ConfigError(f"--method-arg must be METHOD:KEY=VALUE in a sweep; got {item!r}")
             m, pair = item.split(":", 1)
             if "," in pair.split("=", 1)[1]:
                 raise ConfigError(f"--method-arg {item}: one value a sweep; for several, --grid {item}")
-            margs.setdefault(m, []).append(tuple(pair.split("=", 1)))
+            flags.setdefault(m, []).append(tuple(pair.split("=", 1)))
+        margs.update({m: _flags_over_file(margs.get(m, ()), pairs, m) for m, pairs in flags.items()})
         from pfedkdh_jax.run.sweep import make_sweep, run_sweep
         sweep = make_sweep(datasets, alphas, methods,
                            args.seeds if args.seeds is not None else axes.get("seeds", 1), grid,
@@ -449,6 +452,22 @@ def _one_count_of_clients(args) -> None:
 def _file_under_flags(spec: dict, args) -> dict:
     """A --config file's options under the command line's count of clients (:func:`config.under`)."""
     return under(spec, {"participation": args.participation, "per_round": args.per_round})
+
+
+def _flags_over_file(file_pairs, flag_pairs, method: str | None = None) -> tuple:
+    """A method's own options from a --config file with the --method-arg flags over them (a flag replaces
+    the file's value of its key); one key given twice on the command line is a ConfigError (the last
+    would win without a word)."""
+    def key(k):   # "fedprox:mu" and "mu" name one option
+        return k.split(":", 1)[1] if ":" in k else k
+    seen: dict[str, list] = {}
+    for k, v in flag_pairs:
+        seen.setdefault(key(k), []).append(v)
+    for k, values in seen.items():
+        if len(values) > 1:
+            raise ConfigError(f"--method-arg {method + ':' if method else ''}{k} is given {len(values)} times "
+                              f"({', '.join(values)}): give it once")
+    return tuple(tuple(p) for p in file_pairs if key(p[0]) not in seen) + tuple(tuple(p) for p in flag_pairs)
 
 
 def _error(e: Exception) -> int:

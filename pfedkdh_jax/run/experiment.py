@@ -707,10 +707,16 @@ def resume(run_dir: str, *, progress: bool = True, log=print, **overrides) -> di
     cfg = validate(load_run_config(run_dir, **overrides))   # its method and dataset found (plugins), its options
     done = stored_summary(run_dir)
     if done and done.get("status") == "completed" and done.get("rounds_completed") == cfg.rounds:
-        with locked([run_dir]):   # a dead process's lock is taken over, and removed with this one
-            if not os.path.exists(os.path.join(run_dir, "curves.png")):
-                _plot_curves(dataclasses.replace(cfg, out=run_dir), _metrics_rows(run_dir), log)
-                log(f"{run_dir}: curves.png drawn (the run was stopped after its summary)")
+        curves, lock = (os.path.join(run_dir, f) for f in ("curves.png", "run.lock"))
+        if not os.path.exists(curves) or (os.path.exists(lock) and not held_by_a_live_process(run_dir)):
+            try:   # a dead process's lock is taken over, and removed with this one
+                with locked([run_dir]):
+                    if not os.path.exists(curves):
+                        _plot_curves(dataclasses.replace(cfg, out=run_dir), _metrics_rows(run_dir), log)
+                        if os.path.exists(curves):
+                            log(f"{run_dir}: curves.png drawn (the run was stopped after its summary)")
+            except (OSError, ConfigError) as e:   # a read-only directory, a live process's lock: left as it is
+                log(f"warning: {run_dir} left as it is ({e})")
         log(f"{run_dir}: already complete ({cfg.rounds} rounds); nothing to resume")
         return {**done, "out": run_dir}
     return run(cfg, progress=progress, log=log, resume=True)

@@ -146,8 +146,8 @@ def _per_client(summary: dict) -> tuple[list | None, list | None]:
         return None, None
     cols = [[a for a in client if a is not None] for client in zip(*reps)]
     mean = [sum(c) / len(c) if c else None for c in cols]
-    std = [(sum((a - m) ** 2 for a in c) / len(c)) ** 0.5 if c else None for c, m in zip(cols, mean)]
-    return mean, std
+    std = [(sum((a - m) ** 2 for a in c) / len(c)) ** 0.5 if len(c) > 1 else None for c, m in zip(cols, mean)]
+    return mean, std   # (no std where fewer than two repetitions scored the client)
 
 
 def clients_figure(run: dict, path: str) -> bool:
@@ -201,5 +201,8 @@ def main(run_dirs: list[str], out: str | None = None) -> int:
              else os.path.join(r["dir"], "clients.png"))
         if clients_figure(r, p):
             written.append(p)
+        else:
+            print(f"no clients figure for {name}: its summary has no per-client accuracies or label histogram "
+                  "(a run that did not finish?)")
     print("figures: " + ", ".join(written))
     return 0
