@@ -45,6 +45,19 @@ def small_model():
     return p.LinenModel(SmallBackbone(), nn.Dense(10))
 
 
+def with_host_noise(base):
+    """``base`` whose loss is scaled by a number drawn in Python when traced: fixed in each program, so each
+    layout, and each trace of one, holds its own (what check_method must name)."""
+    @dataclasses.dataclass(frozen=True)
+    class HostNoise(base):
+        @property
+        def trainer(self):
+            t = super().trainer
+            scale = float(np.random.default_rng().uniform(0.5, 1.5))
+            return dataclasses.replace(t, loss_fn=lambda *a: scale * t.loss_fn(*a))
+    return HostNoise
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_every_method_by_name_trains_a_users_128d_model(digits, name):
     config = getattr(p, name + "Config")(local_epochs=1, batch_size=32, **SMALL.get(name, {}))
@@ -649,16 +662,9 @@ def test_check_method_passes_a_sound_method_and_names_what_a_broken_one_breaks(r
     scores = p.check_method(mod.FedPerM(model, config), data)     # every check
     assert 0 <= float(scores["personalized_macro_accuracy"]) <= 1
 
-    @dataclasses.dataclass(frozen=True)
-    class HostNoise(mod.FedPerM):   # a number drawn in Python: fixed when traced, so each layout has its own
-        @property
-        def trainer(self):
-            t = super().trainer
-            scale = float(np.random.default_rng().uniform(0.5, 1.5))
-            return dataclasses.replace(t, loss_fn=lambda *a: scale * t.loss_fn(*a))
     with pytest.raises(p.ProtocolError, match=r"check_method\(HostNoise\): Layout\('sequential', 'unrolled'\) "
                                               r"against Layout\('vmap', 'scan'\), the state: .* differs by"):
-        p.check_method(HostNoise(model, config), data, checks=("layouts",))
+        p.check_method(with_host_noise(mod.FedPerM)(model, config), data, checks=("layouts",))
 
     @dataclasses.dataclass(frozen=True)
     class FloatRound(mod.FedPerM):  # the round count comes back a float: the second round compiles again
@@ -723,17 +729,11 @@ def test_check_method_tells_round_off_from_repetitions_that_depend_on_each_other
                 pool, jax.ShapeDtypeStruct(b.shape, b.dtype), b, vmap_method="expand_dims") if b.ndim == 1 else b,
                 state.backbone)
             return state.replace(backbone=backbone), metrics
-    @dataclasses.dataclass(frozen=True)
-    class HostNoise(p.FedPer):   # a number drawn in Python when traced: each program holds its own
-        @property
-        def trainer(self):
-            t = super().trainer
-            scale = float(np.random.default_rng().uniform(0.5, 1.5))
-            return dataclasses.replace(t, loss_fn=lambda *a: scale * t.loss_fn(*a))
+
     with pytest.raises(p.ProtocolError, match=r"check_method\(HostNoise\): repetition 0 .* its run alone, traced "
                                               r"again, gives other numbers: a piece draws or reads a value when traced"):
-        p.check_method(HostNoise(small_model(), p.FedPerConfig(local_epochs=1, batch_size=32)), digits, rounds=1,
-                       checks=("repetitions",))
+        p.check_method(with_host_noise(p.FedPer)(small_model(), p.FedPerConfig(local_epochs=1, batch_size=32)),
+                       digits, rounds=1, checks=("repetitions",))
     pooled = Pooled(small_model(), p.FedPerConfig(local_epochs=1, batch_size=32))
     with pytest.raises(p.ProtocolError, match=r"check_method\(Pooled\): repetition 0 of two vmapped against its run "
                                               r"alone, the state: .* differs by .*; a repetition's round depends on "
