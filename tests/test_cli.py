@@ -117,9 +117,23 @@ def test_a_pfedkdh_flag_named_like_a_methods_own_option_points_to_it(capsys):
     assert cli.main(["sweep", "--datasets", "digits", "--methods", "fedprox", "--method-arg", "fedprox:mu=0.1",
                      "--method-arg", "fedprox:mu=0.2"]) == 2
     assert "--method-arg fedprox:mu is given 2 times (0.1, 0.2): give it once" in capsys.readouterr().err
+    # a file's method options as {key: value} or pairs; a sweep file's per method (sweep.json's list form too)
+    assert cli._pairs({"mu": 0.5}, "x") == cli._pairs([["mu", "0.5"]], "x") == (("mu", "0.5"),)
+    assert cli._sweep_method_args({"fedprox": {"mu": 0.1}}) == cli._sweep_method_args([["fedprox", [["mu", "0.1"]]]]) \
+        == {"fedprox": [("mu", "0.1")]}
     # a flag over a --config file's value of the same option: the flag's, the file's others kept
     assert cli._flags_over_file([("mu", "0.1"), ("x", "1")], [("fedprox:mu", "0.01")]) == (("x", "1"),
                                                                                             ("fedprox:mu", "0.01"))
+
+
+def test_a_sweep_file_with_method_options_is_read(tmp_path, capsys):
+    """A sweep --config file's method_args ({method: {key: value}}) reach the sweep (an AttributeError
+    before, whatever the rest); here the sweep stops at the next check, an unknown dataset."""
+    spec = tmp_path / "sweep.json"
+    spec.write_text(json.dumps({"methods": ["fedprox"], "method_args": {"fedprox": {"mu": 0.1}}}))
+    assert cli.main(["sweep", "--config", str(spec), "--datasets", "nosuchset", "--method-arg", "fedprox:mu=0.01",
+                     "--out", str(tmp_path / "o")]) == 2
+    assert "nosuchset" in capsys.readouterr().err
 
 
 def test_the_count_of_clients_from_flags_file_and_rounding(tmp_path, monkeypatch, capsys, registry):

@@ -251,9 +251,27 @@ def load_config_file(path: str, smoke: bool = False) -> dict:
         raise ConfigError(f"--config must be a .json or .py file; got {path!r}")
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path}: expected a mapping of options")
-    if "method_args" in values:
-        values["method_args"] = tuple(tuple(p) for p in values["method_args"])
     return values
+
+
+def _pairs(margs, where: str) -> tuple:
+    """A file's method options, ``{key: value}`` or ``[[key, value], ...]``, as ``((key, text), ...)``."""
+    items = margs.items() if isinstance(margs, dict) else margs
+    try:
+        return tuple((str(k), str(v)) for k, v in items)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--config {where}: method_args must be {{key: value}} or [[key, value], ...]; "
+                          f"got {margs!r}") from None
+
+
+def _sweep_method_args(margs) -> dict:
+    """A sweep file's method options, ``{method: {key: value} or [[key, value], ...]}`` or
+    ``[[method, [[key, value], ...]], ...]`` (sweep.json's form), as ``{method: [(key, text), ...]}``."""
+    items = margs.items() if isinstance(margs, dict) else margs
+    try:
+        return {str(m): list(_pairs(pairs, f"method_args of {m}")) for m, pairs in items}
+    except (TypeError, ValueError):
+        raise ConfigError(f"--config: a sweep's method_args must be {{method: {{key: value}}}}; got {margs!r}") from None
 
 
 def _config_file(args) -> dict:
@@ -317,18 +335,18 @@ def _command(args) -> int:
               if k in RunConfig.__dataclass_fields__ and v is not None}
     try:
         _one_count_of_clients(args)
-        preset_name = args.preset
+        preset_name, file_margs = args.preset, ()
         if args.config:
             spec = _file_under_flags(_config_file(args), args)
             file_preset = spec.pop("preset", None)
             preset_name = preset_name or file_preset   # a --preset flag wins over the file's
-            values = {**spec, **values}
+            file_margs = _pairs(spec.pop("method_args", None) or (), "method_args")
+            values = {**spec, **values, **({"method_args": file_margs} if file_margs else {})}
         if args.method_args:
             bad = [a for a in args.method_args if "=" not in a]
             if bad:
                 raise ConfigError(f"--method-arg must be KEY=VALUE; got {bad[0]!r}")
-            values["method_args"] = _flags_over_file(values.get("method_args", ()),
-                                                     [tuple(a.split("=", 1)) for a in args.method_args])
+            values["method_args"] = _flags_over_file(file_margs, [tuple(a.split("=", 1)) for a in args.method_args])
         cfg = make_config(preset_name or "default", **values)
         from pfedkdh_jax.run.experiment import default_out_dir, run  # jax imported only now
         cfg = dataclasses.replace(cfg, out=cfg.out or default_out_dir(cfg))
@@ -394,7 +412,7 @@ def _sweep(args) -> int:
             except (ValueError, KeyError):
                 raise ConfigError(f"--grid {key}: values must be {getattr(typ, '__name__', 'true/false')}; "
                                   f"got {values!r}") from None
-        margs = {m: list(p) for m, p in axes.get("method_args", {}).items()}
+        margs = _sweep_method_args(axes.get("method_args") or {})
         flags: dict[str, list] = {}
         for item in args.sweep_method_args or []:
             if ":" not in item or "=" not in item.split(":", 1)[1]:
