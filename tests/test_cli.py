@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pfedkdh_jax.run import cli
-from pfedkdh_jax.run.config import ConfigError, make_config
+from pfedkdh_jax.run.config import ConfigError, make_config, method_arg_pairs
 
 SUMMARY_KEYS = ["personalized_macro_accuracy", "personalized_micro_accuracy", "global_macro_accuracy",
                 "global_micro_accuracy", "personalized_macro_accuracy_ea", "personalized_micro_accuracy_ea"]
@@ -118,7 +118,7 @@ def test_a_pfedkdh_flag_named_like_a_methods_own_option_points_to_it(capsys):
                      "--method-arg", "fedprox:mu=0.2"]) == 2
     assert "--method-arg fedprox:mu is given 2 times (0.1, 0.2): give it once" in capsys.readouterr().err
     # a file's method options as {key: value} or pairs; a sweep file's per method (sweep.json's list form too)
-    assert cli._pairs({"mu": 0.5}, "x") == cli._pairs([["mu", "0.5"]], "x") == (("mu", "0.5"),)
+    assert method_arg_pairs({"mu": 0.5}) == method_arg_pairs([["mu", "0.5"]]) == (("mu", "0.5"),)
     assert cli._sweep_method_args({"fedprox": {"mu": 0.1}}) == cli._sweep_method_args([["fedprox", [["mu", "0.1"]]]]) \
         == {"fedprox": [("mu", "0.1")]}
     # a flag over a --config file's value of the same option: the flag's, the file's others kept

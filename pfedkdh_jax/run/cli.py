@@ -11,7 +11,7 @@ import re
 import signal
 import sys
 
-from pfedkdh_jax.run.config import METHODS, PRESETS, ConfigError, RunConfig, make_config, under
+from pfedkdh_jax.run.config import METHODS, PRESETS, ConfigError, RunConfig, make_config, method_arg_pairs, under
 from pfedkdh_jax.data import DATASETS, DataError
 
 def _pfedkdh_flags() -> list[tuple]:
@@ -254,22 +254,14 @@ def load_config_file(path: str, smoke: bool = False) -> dict:
     return values
 
 
-def _pairs(margs, where: str) -> tuple:
-    """A file's method options, ``{key: value}`` or ``[[key, value], ...]``, as ``((key, text), ...)``."""
-    items = margs.items() if isinstance(margs, dict) else margs
-    try:
-        return tuple((str(k), str(v)) for k, v in items)
-    except (TypeError, ValueError):
-        raise ConfigError(f"--config {where}: method_args must be {{key: value}} or [[key, value], ...]; "
-                          f"got {margs!r}") from None
-
-
 def _sweep_method_args(margs) -> dict:
     """A sweep file's method options, ``{method: {key: value} or [[key, value], ...]}`` or
     ``[[method, [[key, value], ...]], ...]`` (sweep.json's form), as ``{method: [(key, text), ...]}``."""
     items = margs.items() if isinstance(margs, dict) else margs
     try:
-        return {str(m): list(_pairs(pairs, f"method_args of {m}")) for m, pairs in items}
+        return {str(m): list(method_arg_pairs(pairs, f"--config: method_args of {m}")) for m, pairs in items}
+    except ConfigError:   # one method's options, named
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"--config: a sweep's method_args must be {{method: {{key: value}}}}; got {margs!r}") from None
 
@@ -340,7 +332,7 @@ def _command(args) -> int:
             spec = _file_under_flags(_config_file(args), args)
             file_preset = spec.pop("preset", None)
             preset_name = preset_name or file_preset   # a --preset flag wins over the file's
-            file_margs = _pairs(spec.pop("method_args", None) or (), "method_args")
+            file_margs = method_arg_pairs(spec.pop("method_args", None) or (), "--config: method_args")
             values = {**spec, **values, **({"method_args": file_margs} if file_margs else {})}
         if args.method_args:
             bad = [a for a in args.method_args if "=" not in a]

@@ -183,13 +183,23 @@ def under(base: dict, over: dict) -> dict:
 _FIELD_OF_FLAG = {"clients": "num_clients", "clients_per_round": "per_round"}
 
 
+def method_arg_pairs(margs, where: str = "method_args") -> tuple:
+    """A method's own options, ``{key: value}`` or ``[(key, value), ...]``, as the ``((key, text), ...)``
+    pairs of ``--method-arg``; anything else is a ConfigError naming ``where``."""
+    items = margs.items() if isinstance(margs, dict) else margs
+    try:
+        return tuple((str(k), str(v)) for k, v in items)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} must be {{key: value}} or [[key, value], ...]; got {margs!r}") from None
+
+
 def make_config(preset_name: str = "default", **overrides) -> RunConfig:
     """``RunConfig`` from a preset (``preset_name``, or ``preset=``) for ``overrides['dataset']`` plus
     explicit overrides (``method_args``: ``((key, text), ...)`` as on the command line, or a dict)."""
     if "preset" in overrides:   # the preset's name, given by keyword
         preset_name = overrides.pop("preset")
     if isinstance(overrides.get("method_args"), dict):   # {key: value} as the (key, text) pairs of --method-arg
-        overrides["method_args"] = tuple((k, str(v)) for k, v in overrides["method_args"].items())
+        overrides["method_args"] = method_arg_pairs(overrides["method_args"])
     if overrides.get("plugins") is not None:   # first: a plugin may register the dataset and its preset
         overrides["plugins"] = plugins(overrides["plugins"])
     if "method" in overrides:   # names as the registries spell them, case aside

@@ -13,7 +13,6 @@ resume, open the run directories, train, finish.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -600,18 +599,6 @@ def _check_unused(out_dir: str) -> None:
                       f"another --out or remove it to start over{more}")
 
 
-def _metrics_rows(run_dir: str) -> list[dict]:
-    """metrics.jsonl's rows, up to a line cut by an interruption."""
-    rows = []
-    with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                break
-    return rows
-
-
 def stored_summary(run_dir: str) -> dict | None:
     """The summary.json a run wrote in ``run_dir``; ``None`` where there is none (or none whole)."""
     try:
@@ -712,7 +699,8 @@ def resume(run_dir: str, *, progress: bool = True, log=print, **overrides) -> di
             try:   # a dead process's lock is taken over, and removed with this one
                 with locked([run_dir]):
                     if not os.path.exists(curves):
-                        _plot_curves(dataclasses.replace(cfg, out=run_dir), _metrics_rows(run_dir), log)
+                        from pfedkdh_jax.run.report import read_rows
+                        _plot_curves(dataclasses.replace(cfg, out=run_dir), read_rows(run_dir), log)
                         if os.path.exists(curves):
                             log(f"{run_dir}: curves.png drawn (the run was stopped after its summary)")
             except (OSError, ConfigError) as e:   # a read-only directory, a live process's lock: left as it is

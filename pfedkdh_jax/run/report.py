@@ -34,6 +34,12 @@ def load_run(run_dir: str) -> dict[str, Any]:
         hint = (f": it holds a sweep, whose runs are {os.path.join(run_dir, 'points', '*')} (and its tables, "
                 "table.md)" if os.path.exists(os.path.join(run_dir, "sweep.json")) else " (no config.json)")
         raise FileNotFoundError(f"{run_dir} is not a run directory{hint}")
+    return {"dir": run_dir, "config": read("config.json", {}), "summary": read("summary.json", {}),
+            "rows": read_rows(run_dir)}
+
+
+def read_rows(run_dir: str) -> list[dict]:
+    """metrics.jsonl's rows (none without the file), up to a line cut by an interruption."""
     rows = []
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
@@ -43,7 +49,7 @@ def load_run(run_dir: str) -> dict[str, Any]:
                     rows.append(json.loads(line))
                 except ValueError:
                     break  # a line cut by an interruption
-    return {"dir": run_dir, "config": read("config.json", {}), "summary": read("summary.json", {}), "rows": rows}
+    return rows
 
 
 def _pm(summary: dict, key: str) -> str:
