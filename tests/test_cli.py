@@ -116,7 +116,13 @@ def test_a_pfedkdh_flag_named_like_a_methods_own_option_points_to_it(capsys):
     assert capsys.readouterr().err.strip() == "pfedkdh: error: --method-arg mu is given 2 times (0.1, 0.2): give it once"
     assert cli.main(["sweep", "--datasets", "digits", "--methods", "fedprox", "--method-arg", "fedprox:mu=0.1",
                      "--method-arg", "fedprox:mu=0.2"]) == 2
-    assert "--method-arg fedprox:mu is given 2 times (0.1, 0.2): give it once" in capsys.readouterr().err
+    assert "--method-arg mu is given 2 times (0.1, 0.2): give it once" in capsys.readouterr().err
+    # an unknown option given twice is named as unknown first; a repeat through make_config or a file is named too
+    assert cli.main(["run", "--no-progress", "--method", "fedprox", "--method-arg", "zz=1",
+                     "--method-arg", "zz=2"]) == 2
+    assert "'zz' is not an option of fedprox" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"--method-arg mu is given 2 times \(0.1, 0.2\): give it once"):
+        make_config("smoke", method="fedprox", method_args=(("mu", "0.1"), ("FedProx:mu", "0.2")))
     # a file's method options as {key: value} or pairs; a sweep file's per method (sweep.json's list form too)
     assert method_arg_pairs({"mu": 0.5}) == method_arg_pairs([["mu", "0.5"]]) == (("mu", "0.5"),)
     assert cli._sweep_method_args({"fedprox": {"mu": 0.1}}) == cli._sweep_method_args([["fedprox", [["mu", "0.1"]]]]) \

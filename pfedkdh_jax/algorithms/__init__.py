@@ -183,12 +183,18 @@ def parse_method_args(method: str, pairs, cfg=None) -> dict[str, Any]:
     config ``cfg`` too when given). Raises ValueError (one line)."""
     spec = METHODS[method]
     out = dict(spec.args)
-    for key, text in pairs:
+    pairs = list(pairs)
+    for key, _ in pairs:
         if key not in spec.args:
             allowed = (f"its own options: {', '.join(sorted(spec.args))}" if spec.args else
                        "it takes no --method-arg; its options are the run's flags: pfedkdh run --help")
             hint = f"; this run's method is {method}" if ":" in key else ""
             raise ValueError(f"--method-arg {key!r} is not an option of {method} ({allowed}){hint}")
+    for key in dict(pairs):   # one option twice: named (the last would win without a word)
+        values = [str(v) for k, v in pairs if k == key]
+        if len(values) > 1:
+            raise ValueError(f"--method-arg {key} is given {len(values)} times ({', '.join(values)}): give it once")
+    for key, text in pairs:
         out[key] = _parse_option(key, text, spec.option_kinds[key])
     fields = {f.name: f for f in spec.config.own_options()}
     for key, value in out.items():

@@ -413,7 +413,7 @@ def _sweep(args) -> int:
             if "," in pair.split("=", 1)[1]:
                 raise ConfigError(f"--method-arg {item}: one value a sweep; for several, --grid {item}")
             flags.setdefault(m, []).append(tuple(pair.split("=", 1)))
-        margs.update({m: _flags_over_file(margs.get(m, ()), pairs, m) for m, pairs in flags.items()})
+        margs.update({m: _flags_over_file(margs.get(m, ()), pairs) for m, pairs in flags.items()})
         from pfedkdh_jax.run.sweep import make_sweep, run_sweep
         sweep = make_sweep(datasets, alphas, methods,
                            args.seeds if args.seeds is not None else axes.get("seeds", 1), grid,
@@ -464,20 +464,14 @@ def _file_under_flags(spec: dict, args) -> dict:
     return under(spec, {"participation": args.participation, "per_round": args.per_round})
 
 
-def _flags_over_file(file_pairs, flag_pairs, method: str | None = None) -> tuple:
+def _flags_over_file(file_pairs, flag_pairs) -> tuple:
     """A method's own options from a --config file with the --method-arg flags over them (a flag replaces
-    the file's value of its key); one key given twice on the command line is a ConfigError (the last
-    would win without a word)."""
+    the file's value of its key); one key given twice among the flags stays twice (parse_method_args
+    names it, after an unknown key)."""
     def key(k):   # "fedprox:mu" and "mu" name one option
         return k.split(":", 1)[1] if ":" in k else k
-    seen: dict[str, list] = {}
-    for k, v in flag_pairs:
-        seen.setdefault(key(k), []).append(v)
-    for k, values in seen.items():
-        if len(values) > 1:
-            raise ConfigError(f"--method-arg {method + ':' if method else ''}{k} is given {len(values)} times "
-                              f"({', '.join(values)}): give it once")
-    return tuple(tuple(p) for p in file_pairs if key(p[0]) not in seen) + tuple(tuple(p) for p in flag_pairs)
+    flagged = {key(k) for k, _ in flag_pairs}
+    return tuple(tuple(p) for p in file_pairs if key(p[0]) not in flagged) + tuple(tuple(p) for p in flag_pairs)
 
 
 def _error(e: Exception) -> int:
