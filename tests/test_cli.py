@@ -255,6 +255,18 @@ def test_cli_asks_for_one_cpu_device_per_core_up_to_two_unless_the_user_set_a_co
         os.environ["XLA_FLAGS"] = flags
 
 
+
+def test_more_client_devices_than_cores_is_noted(monkeypatch):
+    """--client-devices beyond the cores makes that many XLA:CPU devices (asked for): the run's log says
+    they share the cores (nothing was said before)."""
+    from pfedkdh_jax.engine import cpu_devices
+    monkeypatch.setattr(cpu_devices, "usable_cores", lambda: 2)
+    assert cpu_devices.oversubscribed(2) is None
+    assert cpu_devices.oversubscribed(5) == ("sequential clients spread over 5 XLA:CPU devices that share the 2 "
+                                             "core(s) this process may use (one device per core is the measured "
+                                             "choice: --client-devices 2)")
+
+
 def test_presets():
     paper = make_config("paper", dataset="cifar100")
     assert (paper.rounds, paper.local_epochs, paper.num_clients, paper.clients_per_round) == (70, 5, 20, 10)

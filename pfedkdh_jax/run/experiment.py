@@ -367,6 +367,11 @@ def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
         log(f"{len(spread.devices) if spread else n_dev} {jax.default_backend()} devices: "
             + ("sequential clients spread over them" if spread else
                "repetitions split over them" if batched else "each round's clients split over them"))
+    if spread is not None and jax.default_backend() == "cpu":
+        from pfedkdh_jax.engine.cpu_devices import oversubscribed
+        note = oversubscribed(len(spread.devices))
+        if note:
+            log(f"note: {note}")
     return _Engine(datas, data, member_data, eval_data, layout, conv_form, members, batched, algo, algos, runner,
                    runners)
 
