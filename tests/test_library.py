@@ -634,6 +634,17 @@ def test_the_engine_imports_no_method_and_one_version():
     assert "Apache License" in (root / "LICENSE").read_text()
 
 
+def test_run_called_as_the_package_shows_the_functions_signature():
+    """``p.run`` is the run package once one of its modules is imported: it takes and shows the
+    function's arguments (``(cfg, **kwargs)`` before) and names the function in its help."""
+    import inspect
+    from pfedkdh_jax.run import experiment
+    p.make_config
+    shown, real = inspect.signature(p.run).parameters, inspect.signature(experiment.run).parameters
+    assert [(n, x.kind, x.default) for n, x in shown.items()] == [(n, x.kind, x.default) for n, x in real.items()]
+    assert "pfedkdh_jax.run.experiment.run" in p.run.__doc__
+
+
 def test_the_run_config_takes_pfedkdh_options_and_defaults_from_its_config():
     """One source: every pFedKDH run option is a RunConfig field whose default is PFedKDHConfig's, and a
     RunConfig becomes the method's config field by field."""
