@@ -416,7 +416,8 @@ def spread_section(res: dict, sp: dict) -> list[str]:
     order = [line for col in m["columns"] for line in [spread_order(res, sp, col)] if line]
     return [f"## Over {len(m['data_seeds'])} partitions: {names} on {', '.join(map(col_name, m['columns']))}",
             f"Final round (50), %; data seed 0 is {seed0}, the others the study {_study(sp)}; seed 0; "
-            "mean ± std over the partitions, gap = (our mean − paper) / paper std.", "",
+            "mean ± std over the partitions (the sample std, n − 1; a run's repetitions' std is ddof 0), "
+            "gap = (our mean − paper) / paper std.", "",
             *_table(["row", "cell", "data seed " + " / ".join(map(str, m["data_seeds"])), "ours, mean ± std",
                      "paper", "gap"], rows), "",
             f"{_label(first)} − {_label(second)} on the same partition: "
@@ -613,8 +614,8 @@ def section(res: dict) -> str:
         f"Figure 2 draws {len(drawn)} curves (the study points' metrics.jsonl; on CIFAR-10 the earlier runs' rounds "
         "until the study has them); a panel without finished points says so. "
         + (f"{len(banded)} of them are the mean over three partitions (data seeds 0–2, the spread studies' points; "
-           f"seed 0 each) with ± their std shaded: {'; '.join(banded)}. The paper's bands are over repetitions of one "
-           "partition; these are over partitions, one repetition each." if banded else ""), "",
+           f"seed 0 each) with ± their std (sample, n − 1) shaded: {'; '.join(banded)}. The paper's bands are "
+           "over repetitions of one partition; these are over partitions, one repetition each." if banded else ""), "",
         "![Component ablation, CIFAR-10 α = 0.05](experiments/results/figures/ablation.png)", "", END])
 
 

@@ -354,7 +354,7 @@ class PFedKDHConfig(LocalConfig):
     temperature: float = option(4.0, "T, the distillation temperature", positive, "> 0")
     mu: float = option(0.01, "μ, proximal weight on the backbone", non_negative, ">= 0")
     teacher_epochs: int = option(3, "epochs of the teacher-head refit over D_s", non_negative, ">= 0")
-    teacher_lr: float | None = option(None, "the refit's learning rate (None: lr)", optional_positive, "> 0",
+    teacher_lr: float | None = option(None, "the refit's learning rate (default: the local lr)", optional_positive, "> 0",
                                       cli=False)
     teacher_warm_start: bool = option(True, "the refit starts from the current φ_g (False: from φ_g⁰)")
     teacher_refit_at_start: bool = option(False, "refit φ_g once on D_s before round 0 (backbone untouched; "
@@ -366,7 +366,7 @@ class PFedKDHConfig(LocalConfig):
                            non_negative, ">= 0")
     ea_epochs: int = option(0, "> 0: EA takes this many epochs over the client's train split instead",
                             non_negative, ">= 0")
-    ea_lr: float | None = option(None, "EA's learning rate (None: lr)", optional_positive, "> 0")
+    ea_lr: float | None = option(None, "EA's learning rate (default: the local lr)", optional_positive, "> 0")
     kd_target: str = option("plain", "the teacher distribution distilled: " + ", ".join(KD_TARGETS),
                             lambda v: v in KD_TARGETS, "one of " + ", ".join(KD_TARGETS))
     kd_gate: str = option("none", "per-sample trust in the teacher: " + ", ".join(KD_GATES),

@@ -152,7 +152,7 @@ class PFedKDH(Algorithm):
 
     @property
     def trainer(self) -> LocalTrainer:
-        """The clients' local problem: J_k over (θ_k, φ_k), plain SGD."""
+        """The clients' local problem: J_k over (θ_k, φ_k), by the config's optimizer (SGD by default)."""
         c = self.config
         return C.sgd_trainer(self.local_loss, C.client_tx(c), c,
                              client_context=_with_client_labels if self.class_aware else None)

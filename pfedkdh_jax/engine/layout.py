@@ -30,7 +30,8 @@
   their compile (:func:`pfedkdh_jax.engine.local.fused_plan_pays`, told by the :class:`Workload`);
   an integer: every plan of at most that many steps; ``0``: none.
 
-On XLA:CPU a convolution inside a while loop is ~15–20× slower than the same steps unrolled, so the CPU
+On XLA:CPU a convolution inside a while loop is 20–32× slower than the same steps unrolled (the lax form;
+a matmul over patches is not slowed: BENCHMARKS.md, 'Convolutions inside loops'), so the CPU
 default is sequential + unrolled; on GPU/TPU the default is vmap + scan, one compiled call per round.
 All forms compute the same numbers (tests check it). BENCHMARKS.md has the figures.
 """

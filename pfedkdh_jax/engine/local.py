@@ -50,7 +50,8 @@ def steps_for(n, epochs: int, batch_size: int, max_steps: int | None = None):
 
 @dataclasses.dataclass(frozen=True)
 class LocalTrainer:
-    """SGD on one local problem. Static configuration only; all methods are pure.
+    """Minibatch training of one local problem by an optax optimizer (``tx``). Static configuration
+    only; all methods are pure.
 
     Attributes:
       loss_fn: ``(params, ctx, x, y, mask, rng) -> scalar`` masked-mean loss of a batch.

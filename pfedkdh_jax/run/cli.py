@@ -45,7 +45,7 @@ _FLAGS = [
     ("--rounds", "rounds", int, "federated rounds"),
     ("--local-epochs", "local_epochs", int, "local epochs E"),
     ("--batch-size", "batch_size", int, "minibatch size"),
-    ("--lr", "lr", float, "client SGD learning rate"),
+    ("--lr", "lr", float, "client learning rate (of --optimizer)"),
     ("--seed", "seed", int, "seed of init, client sampling, batch order and dropout"),
     ("--reps", "reps", int, "Monte Carlo repetitions (seeds --seed + r), reported as mean ± std"),
     ("--reps-mode", "reps_mode", str, "vmap: repetitions in one program; sequential; auto: per backend"),
@@ -101,8 +101,8 @@ _SWITCHES = [
 
 
 _PLUGIN_HELP = ("a module (dotted name, or a .py file) that registers methods or datasets of your own "
-                "(pfedkdh_jax.register_method, register_dataset), imported before --method and --dataset are "
-                "checked; repeatable, and kept in the run's config.json for resume")
+                "(pfedkdh_jax.register_method, register_dataset), imported before the methods and datasets are "
+                "checked; repeatable, and kept in each run's config.json for resume")
 
 _PRESET_FIELDS = {"num_clients", "participation", "aux_size", "rounds", "local_epochs", "batch_size", "lr",
                   "alpha", "ea_every", "teacher_epochs", "warmup_epochs"}
@@ -198,11 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the points that differ only in α and in --grid values of lr (pfedkdh: also lam, "
                          "temperature, mu; a method's own fedprox:mu, ditto:lam, fedproto:lam, pfedme:lam / "
                          "personal_lr / beta, fedala:eta) as one program (partitions and values stacked along the "
-                         "repetition axis; vmapped with --reps-mode vmap); with --eval-clients, per α; not for fedfed")
+                         "repetition axis; vmapped with --reps-mode vmap); with --eval-clients, per α and data seed; "
+                         "not for fedfed")
     sw.add_argument("--order", default="table", choices=("table", "methods"),
                     help="the order the points run in: table (cell by cell, the methods as listed) or methods "
                          "(each method over every cell, in the order of --methods: list the cheapest first and "
-                         "whole rows fill first); may change when an interrupted sweep is continued")
+                         "whole rows fill first); may change when an interrupted sweep is continued (default: table)")
     sw.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                     help="run the sweep as one process of a jax.distributed job whose process 0 listens at "
                          "HOST:PORT (with --num-processes, --process-id; one command per process, the sweep "
@@ -212,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--process-id", type=int, default=None, help="this process's index, 0 … num-processes − 1")
     for flag, field, typ, hlp in _FLAGS:
         if field not in ("method", "dataset", "alpha", "out", "reps"):
-            sw.add_argument(flag, dest=field, type=typ, default=None, help=hlp)
+            sw.add_argument(flag, dest=field, type=typ, default=None,
+                            help=_with_default(hlp, RunConfig.__dataclass_fields__[field].default, field))
     for flag, field, value, hlp in _SWITCHES:
         sw.add_argument(flag, dest=field, action="store_const", const=value, default=None, help=hlp)
     rep = sub.add_parser("report", help="compare finished runs: a table and a figure")
