@@ -47,9 +47,10 @@ _EXPORTS = {
     "make_round": "engine.round", "make_evaluate": "engine.evaluate", "select_clients": "engine.round",
     "RoundRunner": "engine.runner", "PhasedRunner": "engine.runner", "sample_schedule": "engine.runner",
     "check_method": "engine.conformance", "RoundOffWarning": "engine.conformance", "ProtocolError": "engine.protocol",
+    "StateError": "engine.protocol",
     # runs
     "RunConfig": "run.config", "ConfigError": "run.config", "make_config": "run.config",
-    "run": ("run.experiment", "run"), "resume": ("run.experiment", "resume"),
+    "run": ("run.experiment", "run"), "resume": ("run.experiment", "resume"), "run_stacked": "run.experiment",
     "save_state": "run.checkpoint", "load_state": "run.checkpoint",
 }
 

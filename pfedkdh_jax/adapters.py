@@ -85,7 +85,7 @@ class LinenModel:
         z = _flat(self.backbone.apply(vb, x, **self._kwargs(False)))
         vh = self.head.init({"params": kh}, z)
         _params_only(vh, "head")
-        return {"backbone": vb["params"], "head": vh["params"]}
+        return {"backbone": vb.get("params", {}), "head": vh.get("params", {})}   # (a part may have none)
 
     def features(self, backbone: Params, x: jax.Array, *, rng: jax.Array | None = None) -> jax.Array:
         rngs = {} if rng is None else {"dropout": rng}
@@ -136,7 +136,13 @@ class NNXModel:
             if jax.tree_util.tree_leaves(rest):
                 raise ValueError(f"the {name} module holds state besides nnx.Param ({type(rest).__name__}): a "
                                  "model's state must be parameters only (no BatchNorm statistics or stored "
-                                 "rng streams; build Dropout without rngs)")
+                                 "rng streams; build Dropout without rngs, and it stays off: nnx modules run in "
+                                 "evaluation mode here; for dropout in training, LinenModel)")
+            if any(isinstance(node, nnx.Dropout) and node.rate > 0 for _, node in nnx.iter_graph(module)):
+                warnings.warn(f"NNXModel: the {name}'s nnx.Dropout stays off in training too (nnx modules run in "
+                              "evaluation mode here: their randomness is state a pure round does not carry); for "
+                              "dropout in training, write the module in flax.linen and use LinenModel",
+                              stacklevel=2)
             self._graph[name] = (graph, params)
 
     def init(self, key: jax.Array, input_shape: tuple[int, ...]) -> Params:

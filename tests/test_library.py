@@ -1021,3 +1021,74 @@ def test_a_users_loop_saves_and_loads_its_state(digits, tmp_path):
         p.load_state(cut, carry)
     with pytest.raises(ValueError, match="like holds an abstract random key"):
         p.load_state(path, jax.eval_shape(lambda: carry))
+
+
+class _Identity(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x
+
+
+def _tabular(n=160, d=6, k=3, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, k, n)
+    x = (rng.normal(size=(k, d))[y] * 2 + rng.normal(size=(n, d))).astype(np.float32)
+    return p.from_arrays(np.asarray(jnp.asarray(x, dtype)), y, client_ids=np.repeat(np.arange(4), n // 4))
+
+
+def test_an_outside_users_models_optimizers_and_mistakes():
+    """What an outside user met (a review): each failed before its fix as said."""
+    data = _tabular()
+    one_round = lambda a: jax.jit(p.make_round(a))(a.init(jax.random.key(0), data), data,  # noqa: E731
+                                                   jnp.array([0, 1]), jax.random.key(1))
+    cfg = dict(local_epochs=1, batch_size=8)
+    # a part without parameters (logistic regression: an identity backbone; KeyError 'params' before)
+    state, _ = one_round(p.FedAvg(p.LinenModel(_Identity(), nn.Dense(3)), p.FedAvgConfig(**cfg)))
+    assert state.backbone == {}
+    # a mask over the whole model's leaves: FedBABU's body-only training takes it (a pytree error before);
+    # a head trained alone (FedRep's head epochs) cannot, and says what to give instead
+    mlp = p.LinenModel(nn.Dense(8), nn.Dense(3))
+    params = mlp.init(jax.random.key(0), (6,))
+    tx = optax.adamw(1e-3, mask=jax.tree.map(lambda a: a.ndim > 1, params))
+    one_round(p.FedBABU(mlp, p.FedBABUConfig(**cfg, finetune_epochs=1, optimizer=tx)))
+    with pytest.raises(ValueError, match="give it as a function of the parameters"):
+        one_round(p.FedRep(mlp, p.FedRepConfig(**cfg, head_epochs=1, optimizer=tx)))
+    # an optimizer whose update needs more than (grads, state, params): one line (a TypeError deep in optax before)
+    with pytest.raises(TypeError, match="needs arguments local training does not pass"):
+        one_round(p.FedAvg(mlp, p.FedAvgConfig(**cfg, optimizer=optax.contrib.reduce_on_plateau())))
+    # no client with a test sample: evaluation says so (a ZeroDivisionError before)
+    part = p.Partition(aux_idx=np.zeros(0, np.int64), train_idx=(np.arange(0, 30), np.arange(40, 60)),
+                       test_idx=(np.zeros(0, np.int64),) * 2, num_clients=2)
+    x = np.asarray(data.images)[:100]
+    bare = p.from_arrays(x, np.arange(100) % 3, partition=part)
+    algo = p.FedPer(mlp, p.FedPerConfig(**cfg))
+    with pytest.raises(DataError, match="no client holds a test sample"):
+        p.make_evaluate(algo)(algo.init(jax.random.key(0), bare), bare, jax.random.key(2))
+    # bfloat16 features are floats (refused as not real numbers before)
+    assert _tabular(dtype=jnp.bfloat16).images.dtype == jnp.bfloat16
+    # the wrong object where a method is due, named
+    with pytest.raises(TypeError, match="give a method, not its class"):
+        p.RoundRunner(p.FedPer, data)
+    for thing in (p.FedPerConfig(), mlp, None):
+        with pytest.raises(TypeError, match="takes a method"):
+            p.make_round(thing)
+    with pytest.raises(TypeError, match=r"FedPer\(model=None\): a method needs a model"):
+        p.FedPer(None, p.FedPerConfig())
+    with pytest.raises(ValueError, match="reps must be None"):
+        p.RoundRunner(algo, data, reps=0)
+    # the names the README gives
+    assert p.run_stacked.__module__ == "pfedkdh_jax.run.experiment" and issubclass(p.StateError, ValueError)
+
+
+def test_nnx_dropout_is_said_to_stay_off():
+    from flax import nnx
+
+    class Body(nnx.Module):
+        def __init__(self, rngs):
+            self.lin, self.drop = nnx.Linear(6, 8, rngs=rngs), nnx.Dropout(0.5)
+
+        def __call__(self, x):
+            return self.drop(nnx.relu(self.lin(x)))
+
+    with pytest.warns(UserWarning, match="nnx.Dropout stays off in training too"):
+        p.NNXModel(lambda r: Body(r), lambda r: nnx.Linear(8, 3, rngs=r))

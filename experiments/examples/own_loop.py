@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
     round_fn, evaluate = p.make_round(algo), p.make_evaluate(algo)
 
     @jax.jit
-    def train(state, key):
+    def train(state, data, key):   # data an argument: closed over, its arrays would be constants of the program
         def one_round(state, t):
             k_select, k_round = jax.random.split(jax.random.fold_in(key, t))   # one stream each
             state, metrics = round_fn(state, data, p.select_clients(k_select, a.clients, a.clients // 2), k_round)
@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
         return jax.lax.scan(one_round, state, jax.numpy.arange(a.rounds))
 
     start = time.perf_counter()
-    state, losses = train(algo.init(jax.random.key(0), data), jax.random.key(1))
+    state, losses = train(algo.init(jax.random.key(0), data), data, jax.random.key(1))
     scores = jax.jit(evaluate, static_argnames="personalize")(state, data, jax.random.key(2), personalize=True)
     out = {"train_loss": [round(float(x), 4) for x in losses],
            "personalized_macro_accuracy": float(scores["personalized_macro_accuracy"]),

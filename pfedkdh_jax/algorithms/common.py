@@ -1,7 +1,7 @@
 """Pieces the methods share: the local budget, states, objectives, optimizers, per-client pytrees.
 
-Parameters are ``{"backbone": θ, "head": φ}`` (any :class:`~pfedkdh_jax.engine.protocol.Model`); optimizers address the two
-parts by these names with :func:`optax.multi_transform`. Per-client pytrees carry a leading client axis
+Parameters are ``{"backbone": θ, "head": φ}`` (any :class:`~pfedkdh_jax.engine.protocol.Model`); an optimizer sees that
+tree (one part frozen: its gradients and updates zeroed around the optimizer). Per-client pytrees carry a leading client axis
 ``[K, ...]``; a round reads and writes only the rows of the selected clients, so the other clients'
 rows stay bit-identical.
 """
@@ -27,9 +27,6 @@ from pfedkdh_jax.engine.protocol import EvalModels, Model, init_params as _init_
 from pfedkdh_jax.model import CNN
 
 PyTree = Any
-
-# Label prefix tree of the parameter dict: every leaf under "backbone" / "head" gets that label.
-PART_LABELS = {"backbone": "backbone", "head": "head"}
 
 
 def may_be_nonzero(value) -> bool:
@@ -262,11 +259,24 @@ def as_head_part(tx: optax.GradientTransformation) -> optax.GradientTransformati
     def wrap(tree):
         return None if tree is None else {"backbone": {}, "head": tree}
 
+    def named(call, *args):   # a tree over the whole model's leaves (a mask, labels) does not fit: say so
+        try:
+            return call(*args)
+        except (ValueError, TypeError) as e:
+            if "pytree" not in str(e).lower() and "tree structure" not in str(e).lower():
+                raise
+            raise ValueError(
+                "a head trained on its own (FedRep's head epochs, FedBABU's fine-tuning, pFedKDH's EA and "
+                "teacher refit) is shown to its optimizer as {'backbone': {}, 'head': head}, and this optimizer's "
+                "tree (a mask or labels over the whole model's leaves) does not fit it: give it as a function of "
+                "the parameters, e.g. mask=lambda params: jax.tree.map(lambda a: a.ndim > 1, params) (optax: "
+                f"{str(e).strip().splitlines()[0]})") from e
+
     def update(updates, state, params=None):
-        updates, state = tx.update(wrap(updates), state, wrap(params))
+        updates, state = named(tx.update, wrap(updates), state, wrap(params))
         return updates["head"], state
 
-    return optax.GradientTransformation(lambda params: tx.init(wrap(params)), update)
+    return optax.GradientTransformation(lambda params: named(tx.init, wrap(params)), update)
 
 
 def fit_head(trainer: LocalTrainer, head: PyTree, feats: jax.Array, labels: jax.Array,
@@ -281,12 +291,6 @@ def fit_head(trainer: LocalTrainer, head: PyTree, feats: jax.Array, labels: jax.
 
 
 # ------------------------------------------------------------------------------------ optimizers
-def by_part(backbone: optax.GradientTransformation,
-            head: optax.GradientTransformation) -> optax.GradientTransformation:
-    """Separate optimizers for the backbone and the head (``optax.multi_transform``)."""
-    return optax.multi_transform({"backbone": backbone, "head": head}, PART_LABELS)
-
-
 def per_model(txs: dict) -> optax.GradientTransformation:
     """``{name: tx}`` over parameters ``{name: model}``: each model's optimizer sees that model's own
     ``{"backbone", "head"}`` tree (Ditto's global and personal copies, pFedMe's w and θ), as it would
@@ -306,14 +310,30 @@ def per_model(txs: dict) -> optax.GradientTransformation:
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def _zero_part(part: str) -> optax.GradientTransformation:
+    """Zeros in place of the ``part`` of a model's ``{"backbone", "head"}`` updates, the rest as given."""
+    def update(updates, state, params=None):
+        del params
+        return {**updates, part: jax.tree_util.tree_map(jnp.zeros_like, updates[part])}, state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def _one_part(tx: optax.GradientTransformation, frozen: str) -> optax.GradientTransformation:
+    """``tx`` on the whole model's tree with the ``frozen`` part's gradients zeroed before it and its
+    updates after: the part stays bit-identical, ``tx`` sees only the other part's gradients (a norm
+    clip measures those) and the model's whole structure (a mask or label tree over the model's leaves
+    fits, which ``optax.multi_transform`` would hand masked nodes in the frozen part's place)."""
+    return optax.chain(_zero_part(frozen), tx, _zero_part(frozen))
+
+
 def head_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """``tx`` on the head; the backbone receives exactly zero updates."""
-    return by_part(optax.set_to_zero(), tx)
+    return _one_part(tx, "backbone")
 
 
 def body_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """``tx`` on the backbone; the head receives exactly zero updates (it stays bit-identical)."""
-    return by_part(tx, optax.set_to_zero())
+    return _one_part(tx, "head")
 
 
 def sgd_trainer(loss_fn, tx: optax.GradientTransformation, config: LocalConfig,

@@ -10,8 +10,8 @@ happens only at evaluation: each client fine-tunes a copy of the global model (�
 train split for ``finetune_epochs`` epochs and is scored with the fine-tuned model on its test split;
 the fine-tuned models are thrown away (the next round starts from θ_g, φ⁰ again).
 
-On the shared engine: the training optimizer is ``body_only(sgd)`` (``optax.set_to_zero`` on the
-head), so φ⁰ stays bit-identical through every round. The fine-tuning is this method's
+On the shared engine: the training optimizer is ``body_only(sgd)`` (the head's gradients and updates
+zeroed around it), so φ⁰ stays bit-identical through every round. The fine-tuning is this method's
 ``personalization`` (:mod:`pfedkdh_jax.engine.protocol`): the engine runs it for all K clients at
 every evaluation with the same layout as training, and the fine-tuned models (a backbone and a head
 per client) give the ``personalized_*`` accuracies. The ``global_*`` accuracies are those of the

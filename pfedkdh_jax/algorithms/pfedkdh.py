@@ -110,7 +110,8 @@ class PFedKDH(Algorithm):
         C.check_init_args(key, data)
         if data.aux_idx.shape[-1] == 0 and (self.config.teacher_epochs > 0 or self.config.warmup_epochs > 0):
             raise ValueError("PFedKDH refits its teacher head on the auxiliary set D_s, and the data have none: "
-                             "build them with aux_size > 0 (or set PFedKDHConfig.teacher_epochs=0)")
+                             "build them with aux_size > 0 (or, with lam=0, set PFedKDHConfig.teacher_epochs=0 and "
+                             "warmup_epochs=0: with lam > 0 the clients would distil from a teacher never fitted)")
         params = C.init_params(self.model, key, data)
         head = params["head"]
         # a buffer of its own for each field: a caller may donate the state (jit's donate_argnums)

@@ -83,9 +83,11 @@ class Pool:
         if not isinstance(x, np.ndarray) or x.ndim < 2:
             raise DataError(f"inputs must be an array [N, ...] with one row per sample; got "
                             f"{type(x).__name__} of shape {getattr(x, 'shape', None)}")
-        if not (np.issubdtype(x.dtype, np.number) or x.dtype == bool) or np.issubdtype(x.dtype, np.complexfloating):
+        bf16 = x.dtype.name == "bfloat16"   # ml_dtypes' (numpy does not count it a number)
+        if not (np.issubdtype(x.dtype, np.number) or x.dtype == bool or bf16) or np.issubdtype(x.dtype,
+                                                                                              np.complexfloating):
             raise DataError(f"inputs must hold real numbers (float or integer); got dtype {x.dtype}")
-        if np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(x)):
+        if (np.issubdtype(x.dtype, np.floating) or bf16) and not np.all(np.isfinite(x)):
             raise DataError("inputs hold non-finite values (nan or inf)")
         if not isinstance(y, np.ndarray) or y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
             raise DataError(f"labels must be a 1-D integer array; got {type(y).__name__} of dtype "

@@ -46,7 +46,7 @@ from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.engine.evaluate import make_evaluate
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.local import tree_stack
-from pfedkdh_jax.engine.protocol import Algorithm, ProtocolError, check_pieces, state_change
+from pfedkdh_jax.engine.protocol import Algorithm, ProtocolError, check_algorithm, check_pieces, state_change
 from pfedkdh_jax.engine.round import check_state_clients, make_round, select_clients
 from pfedkdh_jax.engine.runner import PhasedRunner, _phase_key, phase_at, phase_starts   # the runner's own phases
 
@@ -130,6 +130,8 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
     :data:`CHECKS`. Returns the evaluation of the reference run (layout vmap + scan); raises
     :class:`ProtocolError` naming the first promise broken. Small data and few steps keep it quick
     (each check compiles the round again)."""
+    check_algorithm(algo, "check_method(algo, data)")
+    checks = (checks,) if isinstance(checks, str) else tuple(checks)   # one check's name alone
     unknown = sorted(set(checks) - set(CHECKS))
     if unknown:
         raise ValueError(f"check_method: no check {unknown[0]!r}; the checks: {', '.join(CHECKS)}")

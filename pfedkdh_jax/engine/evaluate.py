@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pfedkdh_jax.engine.protocol import Algorithm, EvalModels, Personalization
+from pfedkdh_jax.engine.protocol import Algorithm, EvalModels, Personalization, check_algorithm
 from pfedkdh_jax.data.device import FederatedData
+from pfedkdh_jax.data.sources import DataError
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.layout import Layout
 from pfedkdh_jax.engine.round import LocalProblem, check_state_clients, max_local_steps
@@ -187,6 +188,9 @@ def evaluation(ops, personalization: Personalization | None, state, data: Federa
         raise ValueError(f"personalize=True: {type(ops.algo).__name__} has no personalization step, so there "
                          f"are no *_ea metrics to add (pFedKDH has one when ea_steps or ea_epochs > 0; see "
                          f"the README's table of methods); evaluate without it")
+    if data.test_flat.shape[-1] == 0:
+        raise DataError("no client holds a test sample (every Partition.test_idx is empty): there is nothing to "
+                        "score; keep a test share (train_fraction < 1) or evaluate on data that has one")
     models = ops.models(state)
     feats = ops.test_features(models, data)
     metrics = ops.score(models, feats, data)
@@ -213,4 +217,5 @@ def suffixed(metrics: dict, suffix: str) -> dict:
 def make_evaluate(algo: Algorithm, layout: Layout = Layout()) -> EvaluatePieces:
     """The evaluation of ``algo`` as a pure function ``(state, data, key, personalize=False) ->
     metrics`` (un-jitted; mark ``personalize`` static when jitting)."""
+    check_algorithm(algo, "make_evaluate(algo)")
     return EvaluatePieces(algo, layout.resolved())

@@ -48,6 +48,19 @@ def steps_for(n, epochs: int, batch_size: int, max_steps: int | None = None):
     return s if max_steps is None else jnp.minimum(s, max_steps)
 
 
+def _plain_update(tx, grads, opt_state, params):
+    """``tx.update(grads, opt_state, params)``; an optimizer whose update needs more (optax's extra
+    arguments: ``value=`` of ``reduce_on_plateau``, ``value_fn=`` of ``lbfgs``) is a one-line TypeError."""
+    try:
+        return tx.update(grads, opt_state, params)
+    except TypeError as e:
+        if "required" not in str(e) or "argument" not in str(e):
+            raise
+        raise TypeError(f"the optimizer's update needs arguments local training does not pass ({e}): a step gives "
+                        "it (grads, state, params) only, so optimizers such as optax.contrib.reduce_on_plateau "
+                        "(value=) and optax.lbfgs (value=, grad=, value_fn=) cannot be a method's optimizer") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalTrainer:
     """Minibatch training of one local problem by an optax optimizer (``tx``). Static configuration
@@ -129,7 +142,7 @@ class LocalTrainer:
             rng = jax.random.fold_in(jax.random.fold_in(s.key, 1 << 20), s.step)
             if self.update is None:
                 loss, grads = jax.value_and_grad(self.loss_fn)(s.params, c, x, y, mask, rng)
-                updates, opt_state = self.tx.update(grads, s.opt_state, s.params)
+                updates, opt_state = _plain_update(self.tx, grads, s.opt_state, s.params)
                 params = optax.apply_updates(s.params, updates)
             else:
                 loss, params, opt_state = self.update(s.params, s.opt_state, c, x, y, mask, rng)

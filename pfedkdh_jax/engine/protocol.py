@@ -295,6 +295,9 @@ class Algorithm:
         model = getattr(self, "model", None)
         if model is not None:
             check_model(model, f"{type(self).__name__}(model=...)")
+        elif dataclasses.is_dataclass(self) and "model" in {f.name for f in dataclasses.fields(self)}:
+            raise TypeError(f"{type(self).__name__}(model=None): a method needs a model (p.CNN(num_classes), "
+                            "p.LinenModel(backbone, head), p.NNXModel(...), or one of the Model protocol)")
         declares = "config" in inspect.get_annotations(type(self))
         field = {f.name: f for f in dataclasses.fields(self)}.get("config") if dataclasses.is_dataclass(self) else None
         if declares and field is not None and dataclasses.is_dataclass(field.default):
@@ -514,6 +517,16 @@ def missing_pieces(algo) -> list[str]:
         missing.append("server_update(state, data, selected, updates, key) -> (state, metrics), or mean_upload "
                        "with server_update_from_mean")
     return missing
+
+
+def check_algorithm(algo, where: str) -> None:
+    """A ``TypeError`` naming ``where`` when ``algo`` is not a method: its class (not built), or another
+    object (a config, a model, ``None``)."""
+    if isinstance(algo, type):
+        raise TypeError(f"{where}: give a method, not its class: build one with {algo.__name__}(model, config)")
+    if not isinstance(algo, Algorithm) and not hasattr(algo, "phases"):
+        raise TypeError(f"{where}: takes a method (an Algorithm, e.g. p.FedPer(model, p.FedPerConfig())); got a "
+                        f"{type(algo).__name__}")
 
 
 def check_pieces(algo, where: str) -> None:

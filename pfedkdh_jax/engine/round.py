@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, StateError, check_pieces, server_step_result
+from pfedkdh_jax.engine.protocol import Algorithm, ClientUpdate, StateError, check_algorithm, check_pieces, server_step_result
 from pfedkdh_jax.data.device import FederatedData, check_data
 from pfedkdh_jax.engine.layout import Layout, local_training_compiler_options
 from pfedkdh_jax.engine.local import LocalState, LocalTrainer
@@ -241,6 +241,7 @@ def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:
     several phases (FedFed) has a round function per phase (``make_round(phase.algorithm)``). A method's
     ``before_training`` (pFedKDH's optional warm-up) is not part of a round: :meth:`RoundPieces.prepare`
     (or a runner's ``prepare``) runs it once before round 0."""
+    check_algorithm(algo, "make_round(algo)")
     check_one_phase(algo, "make_round(algo)")
     check_pieces(algo, "make_round(algo)")
     return RoundPieces(algo, layout.resolved(), trace_scan=layout.step_loop is None)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pfedkdh_jax.engine.protocol import (Algorithm, ProtocolError, check_pieces, prepares_rounds, splits_uploads,
+from pfedkdh_jax.engine.protocol import (Algorithm, ProtocolError, check_algorithm, check_pieces, prepares_rounds, splits_uploads,
                                          check_floating, server_step_result, state_change, upload_weight_of)
 from pfedkdh_jax.data.device import FederatedData, check_data, data_axes
 from pfedkdh_jax.engine import client_rows, scoring
@@ -572,9 +572,12 @@ class RoundRunner:
         # repetition's values (``algo.with_hparams``), so one program serves them all;
         # workload: the rounds this runner will train (and evaluations), so that the host plans
         # compile only the narrow step widths that pay (None: full batches only)
+        check_algorithm(algo, "RoundRunner(algo, ...)")
         check_one_phase(algo, "RoundRunner(algo, ...)")
         check_pieces(algo, "RoundRunner(algo, ...)")
         check_data(data, "RoundRunner(algo, data)")
+        if reps is not None and (isinstance(reps, bool) or not isinstance(reps, int) or reps < 1):
+            raise ValueError(f"RoundRunner: reps must be None (one run) or a count >= 1 of repetitions; got {reps!r}")
         self.algo, self.reps, self.mesh = algo, reps, mesh
         self.donate_state = donate_state
         state_donation = 0 if donate_state else None
@@ -867,6 +870,7 @@ class PhasedRunner:
     def __init__(self, algo: Algorithm, data: FederatedData, layout: Layout = Layout(), *,
                  reps: int | None = None, mesh: jax.sharding.Mesh | None = None, hparams: dict | None = None,
                  workload: Workload | None = None, donate_state: bool = False):
+        check_algorithm(algo, "PhasedRunner(algo, ...)")
         check_data(data, "PhasedRunner(algo, data)")
         self.phases, self.name = algo.phases, type(algo).__name__
         if hparams is not None and len(self.phases) > 1:
