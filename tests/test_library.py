@@ -1076,6 +1076,7 @@ def test_an_outside_users_models_optimizers_and_mistakes():
         p.FedPer(None, p.FedPerConfig())
     with pytest.raises(ValueError, match="reps must be None"):
         p.RoundRunner(algo, data, reps=0)
+    p.check_method(algo, data, rounds=1, checks="evaluation")   # one check by name ("no check 'e'" before)
     # the names the README gives
     assert p.run_stacked.__module__ == "pfedkdh_jax.run.experiment" and issubclass(p.StateError, ValueError)
 
