@@ -438,3 +438,39 @@ def test_a_partition_of_ones_own_is_checked_before_anything_runs():
         from_arrays(x, y, partition=good, aux_size=5, train_fraction=0.5)
     with pytest.raises(data.DataError, match=r"from_arrays\(client_ids=...\) does not read balance_cap"):
         from_arrays(x, y, client_ids=np.arange(60) % 3, balance_cap=True)
+
+
+def test_what_a_review_of_the_data_layer_found_is_named():
+    """Each was silent or a bare traceback before (a review of the data layer)."""
+    from pfedkdh_jax.data.partition import evaluation_view, format_summary, partition_summary, validation_partition
+    from pfedkdh_jax.run.config import ConfigError, make_config
+    from pfedkdh_jax.run.experiment import prepare_data
+    from pfedkdh_jax.run.sweep import make_sweep
+    # shards: the Dirichlet draw's options are refused, not ignored; a client under the minimum is named
+    with pytest.raises(ConfigError, match="--partition shards does not read --fill top_up"):
+        make_config("smoke", partition="shards", fill="top_up")
+    with pytest.raises(ConfigError, match="--shards-per-client 3 is read with --partition shards only"):
+        make_config("smoke", shards_per_client=3)
+    with pytest.raises(ConfigError, match="--partition shards does not read α"):
+        make_sweep(["digits"], [0.1, 0.5], ["fedavg"], 1, {}, "smoke", {"partition": "shards"})
+    with pytest.raises(DataError, match="--partition shards gives clients of 6 samples, fewer than "
+                                        "--min-client-samples 10"):
+        prepare_data(make_config("smoke", partition="shards", num_clients=200))
+    # a client of one train sample has no validation split: the printed summary says it is not scored
+    labels = _labels(300)
+    part = validation_partition(data.natural_partition(np.repeat(np.arange(3), [2, 150, 148]), seed=0), 0.2, 0)
+    text = format_summary({**partition_summary(part, labels, 10), "scored_split": "validation"})
+    assert "1 client(s) hold no validation sample (one train sample: none to carve): they are not scored" in text
+    # names read as the package's (case, alias) are not a dataset's of one's own
+    for name in ("Mnist", "fmnist"):
+        with pytest.raises(DataError, match=f"{name!r} is read as"):
+            data.register_dataset(name, lambda: None)
+    # ids out of range, a minimum of 0, a federation of one
+    with pytest.raises(DataError, match=r"clients must be ids in 0 … 2; got \[-1\]"):
+        evaluation_view(part, [-1])
+    with pytest.raises(DataError, match="min_client_samples must be >= 2"):
+        data.from_arrays(np.zeros((20, 3), np.float32), np.arange(20) % 2, client_ids=np.arange(20) % 2,
+                         min_client_samples=0)
+    one = dataclasses.replace(part, num_clients=1, train_idx=part.train_idx[:1], test_idx=part.test_idx[:1])
+    with pytest.raises(DataError, match="a federation needs >= 2 clients"):
+        data.check_partition(one, 300)

@@ -187,7 +187,7 @@ def test_an_evaluation_of_some_clients_scores_them_as_the_full_evaluation_does(t
         assert np.isnan(np.asarray(some[key])[others]).all()   # not scored: NaN, not 0
         macro = key.replace("per_client", "macro")
         assert float(some[macro]) == pytest.approx(per[chosen].mean(), abs=1e-6)
-    with pytest.raises(Exception, match="--eval-clients must be between 1 and the 4 clients"):
+    with pytest.raises(Exception, match="count must be between 1 and the 4 clients"):
         evaluation_clients(4, 5, seed=0)
 
 

@@ -242,6 +242,11 @@ def register_method(name: str, algorithm: type, config: type, *, summary: str = 
         raise ValueError(f"register_method: the name must be a lower-case identifier (a --method value); got {name!r}")
     if name in BUILT_IN:
         raise ValueError(f"register_method: {name!r} is one of the package's methods; choose another name")
+    from pfedkdh_jax.names import clashing_name
+    clash = clashing_name(name, METHODS)
+    if clash is not None:
+        raise ValueError(f"register_method: {name!r} is read as {clash!r} (names are read regardless of case, '-' "
+                         "and '_'); choose another name")
     from pfedkdh_jax.engine.protocol import Algorithm, check_pieces   # (a method's module imports JAX anyway)
     if not (isinstance(algorithm, type) and issubclass(algorithm, Algorithm)):
         raise TypeError(f"register_method({name!r}): algorithm must be a class deriving from pfedkdh_jax.Algorithm; "

@@ -269,7 +269,7 @@ def from_arrays(inputs, labels, *, client_ids=None, num_clients: int | None = No
         if len(np.asarray(client_ids)) != len(pool.labels):
             raise DataError(f"client_ids must hold one id per sample: {len(pool.labels)}; got {len(np.asarray(client_ids))}")
         partition = natural_partition(client_ids, aux_size=aux_size, train_fraction=train_fraction, seed=seed,
-                                      min_client_samples=min_client_samples or 2)
+                                      min_client_samples=2 if min_client_samples is None else min_client_samples)
     elif partition is None:
         if num_clients is None or alpha is None:
             raise DataError("a Dirichlet partition needs both num_clients and alpha")

@@ -225,7 +225,9 @@ def shards_partition(labels, *, num_clients: int, shards_per_client: int = 2, au
                      train_fraction: float = 0.75, seed: int = 0) -> Partition:
     """The FedAvg paper's pathological split: D_s drawn first as in :func:`make_partition`, the rest
     sorted by label, cut into ``num_clients · shards_per_client`` shards of (nearly) equal size, and
-    each client given ``shards_per_client`` shards at random (so at most that many classes each)."""
+    each client given ``shards_per_client`` shards at random: mostly one class a shard, but a shard cut
+    across a class boundary holds two, so a client holds at most ``2 · shards_per_client`` classes
+    (MNIST, 20 clients × 2 shards: 7 clients hold 3 or 4)."""
     labels = np.asarray(labels)
     if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer):
         raise DataError(
@@ -372,6 +374,11 @@ def format_summary(summary: dict, max_clients: int | None = 40) -> str:
         f"train sizes: min {summary['min_train']}, max {summary['max_train']}, mean {summary['mean_train']:.1f}; "
         f"total train {sum(summary['train_sizes'])}, total {scored} {sum(summary['test_sizes'])}"
     )
+    empty = sum(1 for t in summary["test_sizes"] if t == 0)
+    if empty:   # a client without a scored sample drops out of the macro means
+        why = " (one train sample: none to carve)" if scored == "validation" else ""
+        lines.append(f"{empty} client(s) hold no {scored} sample{why}: they are not scored (the macro means are "
+                     "over the others)")
     return "\n".join(lines)
 
 
@@ -422,7 +429,7 @@ def evaluation_clients(num_clients: int, count: int, seed: int) -> np.ndarray:
     """A fixed random subset of ``count`` of the ``num_clients`` clients (sorted ids), the same for a
     data seed whatever the run's seed: the clients ``--eval-clients`` scores."""
     if not 1 <= count <= num_clients:
-        raise DataError(f"--eval-clients must be between 1 and the {num_clients} clients; got {count}")
+        raise DataError(f"evaluation_clients: count must be between 1 and the {num_clients} clients; got {count}")
     return np.sort(np.random.default_rng([seed, 2]).choice(num_clients, count, replace=False))
 
 
@@ -435,6 +442,8 @@ def check_partition(part: Partition, num_samples: int) -> None:
     share a sample (its test accuracy would score what it trained on). Clients may share samples with
     each other and with ``aux_idx``, and may hold no test samples (not scored)."""
     k = part.num_clients
+    if not isinstance(k, (int, np.integer)) or k < 2:
+        raise DataError(f"partition: a federation needs >= 2 clients; got num_clients={k}")
     if len(part.train_idx) != k or len(part.test_idx) != k:
         raise DataError(f"partition.num_clients is {k} but it holds {len(part.train_idx)} train_idx and "
                         f"{len(part.test_idx)} test_idx lists: one of each per client")
@@ -470,8 +479,13 @@ def evaluation_view(part: Partition, clients) -> Partition:
     train and test splits empty (client ids, hence per-client state, keep their places). Evaluating
     on it computes features of the chosen clients' samples only; the macro accuracy averages over
     the clients that hold test samples, i.e. over ``clients``."""
+    ids = np.asarray(clients)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (ids.size and (ids.min() < 0
+                                                                                 or ids.max() >= part.num_clients)):
+        raise DataError(f"evaluation_view: clients must be ids in 0 … {part.num_clients - 1}; got "
+                        f"{ids.tolist() if ids.size <= 8 else ids}")
     keep = np.zeros(part.num_clients, bool)
-    keep[np.asarray(clients)] = True
+    keep[ids] = True
     empty = np.zeros(0, np.int64)
     return dataclasses.replace(
         part, train_idx=tuple(t if keep[k] else empty for k, t in enumerate(part.train_idx)),

@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pfedkdh_jax.names import clashing_name
+
 
 class DataError(ValueError):
     """Raised for every invalid data option and every missing or unreadable dataset."""
@@ -175,6 +177,10 @@ def register_dataset(name: str, load: Callable[[], Pool], *, model: Any = None,
         raise DataError(f"register_dataset: the name must be an identifier (a --dataset value); got {name!r}")
     if name in DATASETS:
         raise DataError(f"register_dataset: {name!r} is one of the package's datasets; choose another name")
+    clash = clashing_name(name, [*DATASETS, *_REGISTERED])
+    if clash is not None:
+        raise DataError(f"register_dataset: {name!r} is read as {clash!r} (names are read regardless of case, "
+                        "'-' and '_', and by their aliases); choose another name")
     if not callable(load):
         raise DataError(f"register_dataset({name!r}): load must be a function () -> Pool; got {type(load).__name__}")
     if preset is not None and not (isinstance(preset, dict) and all(isinstance(k, str) for k in preset)):

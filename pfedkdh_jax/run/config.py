@@ -333,6 +333,15 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.partition in ("dirichlet", "shards"), f"--partition must be dirichlet or shards; got {cfg.partition!r}")
     _check(cfg.shards_per_client >= 1, f"--shards-per-client must be >= 1; got {cfg.shards_per_client}")
     _check(cfg.fill in ("auto", "redraw", "top_up"), f"--fill must be auto, redraw or top_up; got {cfg.fill!r}")
+    defaults = RunConfig.__dataclass_fields__
+    if cfg.partition == "shards":   # the Dirichlet draw's own options would be ignored without a word
+        unread = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in ("fill", "balance_cap")
+                  if getattr(cfg, k) != defaults[k].default]
+        _check(not unread, f"--partition shards does not read {' or '.join(unread)} (options of the Dirichlet "
+                           "draw); leave them out")
+    else:
+        _check(cfg.shards_per_client == defaults["shards_per_client"].default,
+               f"--shards-per-client {cfg.shards_per_client} is read with --partition shards only")
     _check(0 < cfg.train_fraction < 1, f"--train-fraction must be in (0, 1); got {cfg.train_fraction}")
     _check(0 <= cfg.validation_fraction < 1,
            f"--validation-fraction must be in [0, 1); got {cfg.validation_fraction}")

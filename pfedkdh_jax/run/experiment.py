@@ -74,6 +74,11 @@ def prepare_data(cfg: RunConfig, pool: data_lib.Pool | None = None) -> tuple[dat
         part = data_lib.shards_partition(
             pool.labels, num_clients=cfg.num_clients, shards_per_client=cfg.shards_per_client,
             aux_size=cfg.aux_size, train_fraction=cfg.train_fraction, seed=cfg.data_seed)
+        smallest = min(len(a) + len(b) for a, b in zip(part.train_idx, part.test_idx))
+        if smallest < cfg.min_client_samples:   # the shards are equal: every client holds about this many
+            raise data_lib.DataError(
+                f"--partition shards gives clients of {smallest} samples, fewer than --min-client-samples "
+                f"{cfg.min_client_samples}: use fewer --clients or --shards-per-client, or lower --min-client-samples")
     else:
         part = data_lib.make_partition(
             pool.labels, num_clients=cfg.num_clients, alpha=cfg.alpha, aux_size=cfg.aux_size,
@@ -324,8 +329,10 @@ def _build_engine(cfgs: list[RunConfig], pool, runs: _Runs, log) -> _Engine:
         chosen = data_lib.evaluation_clients(cfg.num_clients, cfg.eval_clients, cfg.data_seed)
         eval_data = build_federated_data(pool, data_lib.evaluation_view(runs.parts[0], chosen),
                                          eval_chunk=cfg.eval_chunk)
+        empty = sum(1 for k in chosen if len(runs.parts[0].test_idx[k]) == 0)
         log(f"evaluations score {len(chosen)} of the {cfg.num_clients} clients (a fixed random subset, data seed "
-            f"{cfg.data_seed})")
+            f"{cfg.data_seed})" + (f"; {empty} of them hold no scored sample, so {len(chosen) - empty} count"
+                                   if empty else ""))
     preflight.check(dataclasses.replace(cfg, reps=len(members)), algo, runner_data, layout, batched)
     # Auto axes: XLA's sharding propagation places everything from the inputs' shardings.
     # A mesh takes the devices where it splits work evenly: the repetition axis, or the clients of a

@@ -145,7 +145,10 @@ def summary(cfg, history: list[dict], part_summary: dict, runner,
                                "seed": cfg.seed, "data_seed": cfg.data_seed, "reps": cfg.reps,
                                "status": status, "rounds_completed": len(history),
                                # the split the accuracies come from (--validation-fraction > 0: validation)
-                               "scored_split": "validation" if cfg.validation_fraction > 0 else "test"}
+                               "scored_split": "validation" if cfg.validation_fraction > 0 else "test",
+                               # shards: alpha above is not read (the split is label-sorted shards)
+                               **({"partition": f"shards ({cfg.shards_per_client} a client)"}
+                                  if getattr(cfg, "partition", "dirichlet") == "shards" else {})}
     if history and "reps" in history[0]:
         per_rep = [metric_summary([row["reps"][r] for row in history]) for r in range(len(history[0]["reps"]))]
         for key in per_rep[0]:
