@@ -24,7 +24,7 @@ from pfedkdh_jax.data.device import FederatedData
 from pfedkdh_jax.data.sources import DataError
 from pfedkdh_jax.engine import scoring
 from pfedkdh_jax.engine.layout import Layout
-from pfedkdh_jax.engine.round import LocalProblem, check_state_clients, max_local_steps
+from pfedkdh_jax.engine.round import LocalProblem, check_state_clients, max_local_steps, same_pieces
 
 PyTree = Any
 
@@ -218,4 +218,4 @@ def make_evaluate(algo: Algorithm, layout: Layout = Layout()) -> EvaluatePieces:
     """The evaluation of ``algo`` as a pure function ``(state, data, key, personalize=False) ->
     metrics`` (un-jitted; mark ``personalize`` static when jitting)."""
     check_algorithm(algo, "make_evaluate(algo)")
-    return EvaluatePieces(algo, layout.resolved())
+    return same_pieces(EvaluatePieces(algo, layout.resolved()))

@@ -244,7 +244,26 @@ def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:
     check_algorithm(algo, "make_round(algo)")
     check_one_phase(algo, "make_round(algo)")
     check_pieces(algo, "make_round(algo)")
-    return RoundPieces(algo, layout.resolved(), trace_scan=layout.step_loop is None)
+    return same_pieces(RoundPieces(algo, layout.resolved(), trace_scan=layout.step_loop is None))
+
+
+_PIECES: dict = {}   # pieces by value, the latest _PIECES_KEPT: see same_pieces
+_PIECES_KEPT = 32
+
+
+def same_pieces(pieces):
+    """The pieces made before that equal ``pieces`` (the same algorithm object, or one equal to it, and
+    layout), else ``pieces``: ``jax.jit(make_round(algo))`` built again for the same method then finds
+    the program it compiled before (jit's cache holds a function by identity, and a new, equal object
+    compiled again). Unhashable pieces (a config holding a list) are returned as they are."""
+    try:
+        found = _PIECES.pop(pieces, None)
+    except TypeError:
+        return pieces
+    _PIECES[pieces] = found = pieces if found is None else found   # most recent last
+    while len(_PIECES) > _PIECES_KEPT:
+        _PIECES.pop(next(iter(_PIECES)))
+    return found
 
 
 def check_one_phase(algo: Algorithm, where: str) -> None:
