@@ -4,11 +4,12 @@
 fails that comparison in a VAE BatchNorm mean (0.046 against a tolerance of 9e-3) with its default VAE
 optimizer, AdamW, whose normalised steps turn float round-off into steps of the learning rate's size.
 This runs the runner check alone, in check_method_timing.py's setting (400 digits over 4 clients, the
-example MLP, one local epoch of batch 16), with the VAE's optimizer AdamW (the default) and plain SGD:
-a gap that disappears under SGD at check_method's default tolerance is amplified round-off; an impure
-piece would differ under either.
+example MLP, one local epoch of batch 16), with the VAE's optimizer AdamW (the default), plain SGD and SGD
+with momentum 0.9 (a state carried from step to step, as AdamW's, without its normalised steps): a gap that
+disappears under both SGDs at check_method's default tolerance is amplified round-off; an impure piece, or
+an optimizer state the runner carried otherwise than the round, would show under them too.
 
-    python experiments/fedfed_runner_check.py [--vae-optimizers adamw,sgd] [--tol 1e-4]
+    python experiments/fedfed_runner_check.py [--vae-optimizers adamw,sgd,momentum] [--tol 1e-4]
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vae-optimizers", default="adamw,sgd", help="adamw (FedFed's default) and/or sgd")
+    ap.add_argument("--vae-optimizers", default="adamw,sgd,momentum",
+                    help="adamw (FedFed's default), sgd, momentum (SGD with momentum 0.9)")
     ap.add_argument("--tol", type=float, default=1e-4, help="check_method's tolerance (the runner check uses 3×)")
     a = ap.parse_args(argv)
     import flax.linen as nn
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
     pool = load_pool("digits")
     data = p.from_arrays(pool.images[:400], pool.labels[:400], num_clients=4, alpha=1.0, aux_size=40, seed=0)
     model = p.LinenModel(mod.MLP(), nn.Dense(10))
-    chosen = {"adamw": None, "sgd": lambda lr: optax.sgd(lr)}
+    chosen = {"adamw": None, "sgd": lambda lr: optax.sgd(lr), "momentum": lambda lr: optax.sgd(lr, momentum=0.9)}
     for name in a.vae_optimizers.split(","):
         algo = p.FedFed(model, p.FedFedConfig(local_epochs=1, batch_size=16, vae_optimizer=chosen[name]))
         start = time.perf_counter()

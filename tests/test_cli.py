@@ -134,12 +134,14 @@ def test_a_pfedkdh_flag_named_like_a_methods_own_option_points_to_it(capsys):
 
 def test_a_sweep_file_with_method_options_is_read(tmp_path, capsys):
     """A sweep --config file's method_args ({method: {key: value}}) reach the sweep (an AttributeError
-    before, whatever the rest); here the sweep stops at the next check, an unknown dataset."""
+    before, whatever the rest), a flag's value replacing the file's however the method is spelled (FedProx:
+    was a second mu); here the sweep stops at the next check, an unknown dataset."""
     spec = tmp_path / "sweep.json"
     spec.write_text(json.dumps({"methods": ["fedprox"], "method_args": {"fedprox": {"mu": 0.1}}}))
-    assert cli.main(["sweep", "--config", str(spec), "--datasets", "nosuchset", "--method-arg", "fedprox:mu=0.01",
+    assert cli.main(["sweep", "--config", str(spec), "--datasets", "nosuchset", "--method-arg", "FedProx:mu=0.01",
                      "--out", str(tmp_path / "o")]) == 2
-    assert "nosuchset" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--dataset must be one of" in err and "given 2 times" not in err
 
 
 def test_the_count_of_clients_from_flags_file_and_rounding(tmp_path, monkeypatch, capsys, registry):
@@ -263,8 +265,8 @@ def test_more_client_devices_than_cores_is_noted(monkeypatch):
     monkeypatch.setattr(cpu_devices, "usable_cores", lambda: 2)
     assert cpu_devices.oversubscribed(2) is None
     assert cpu_devices.oversubscribed(5) == ("sequential clients spread over 5 XLA:CPU devices that share the 2 "
-                                             "core(s) this process may use (one device per core is the measured "
-                                             "choice: --client-devices 2)")
+                                             "core(s) this process may use (one device per core: the choice "
+                                             "measured on 2 cores; --client-devices 2)")
 
 
 def test_presets():

@@ -466,11 +466,15 @@ def test_what_a_review_of_the_data_layer_found_is_named():
         with pytest.raises(DataError, match=f"{name!r} is read as"):
             data.register_dataset(name, lambda: None)
     # ids out of range, a minimum of 0, a federation of one
-    with pytest.raises(DataError, match=r"clients must be ids in 0 … 2; got \[-1\]"):
+    with pytest.raises(DataError, match=r"clients must be ids in 0 … 2 \(or a mask of 3\); got \[-1\]"):
         evaluation_view(part, [-1])
+    assert evaluation_view(part, []).test_idx[0].size == 0   # none, and a mask: as ids
+    masked, listed = evaluation_view(part, np.array([True, False, True])), evaluation_view(part, [0, 2])
+    assert all(np.array_equal(a, b) for a, b in zip(masked.test_idx + masked.train_idx,
+                                                    listed.test_idx + listed.train_idx))
     with pytest.raises(DataError, match="min_client_samples must be >= 2"):
         data.from_arrays(np.zeros((20, 3), np.float32), np.arange(20) % 2, client_ids=np.arange(20) % 2,
                          min_client_samples=0)
     one = dataclasses.replace(part, num_clients=1, train_idx=part.train_idx[:1], test_idx=part.test_idx[:1])
-    with pytest.raises(DataError, match="a federation needs >= 2 clients"):
+    with pytest.raises(DataError, match=r"num_clients must be an int >= 2 \(a federation\); got 1"):
         data.check_partition(one, 300)

@@ -1077,12 +1077,15 @@ def test_an_outside_users_models_optimizers_and_mistakes():
     with pytest.raises(ValueError, match="reps must be None"):
         p.RoundRunner(algo, data, reps=0)
     p.check_method(algo, data, rounds=1, checks="evaluation")   # one check by name ("no check 'e'" before)
-    # the round made again for the same (or an equal) method is the one made before: a new jit of it finds
-    # the program compiled before (it compiled again); a traced config is not kept
-    other = p.FedPer(mlp, p.FedPerConfig(**cfg, lr=0.5))
-    assert p.make_round(algo) is p.make_round(p.FedPer(mlp, p.FedPerConfig(**cfg)))
-    assert p.make_evaluate(algo) is p.make_evaluate(algo) and p.make_round(algo) is not p.make_round(other)
-    jax.vmap(lambda lr: p.make_round(other.with_hparams({"lr": lr})) and lr)(jnp.ones(2))
+    # the round made again for the same method object is the one made before: a new jit of it finds the
+    # program compiled before (it compiled again); an equal method (lr=1 against np.float64(1.0) may compute
+    # otherwise) and a traced config are not shared or kept
+    from pfedkdh_jax.engine import round as round_module
+    assert p.make_round(algo) is p.make_round(algo) and p.make_evaluate(algo) is p.make_evaluate(algo)
+    assert p.make_round(algo) is not p.make_round(p.FedPer(mlp, p.FedPerConfig(**cfg)))
+    kept = dict(round_module._PIECES)
+    jax.vmap(lambda lr: p.make_round(algo.with_hparams({"lr": lr})) and lr)(jnp.ones(2))
+    assert round_module._PIECES == kept
     # the names the README gives
     assert p.run_stacked.__module__ == "pfedkdh_jax.run.experiment" and issubclass(p.StateError, ValueError)
 

@@ -1,8 +1,8 @@
 """Pieces the methods share: the local budget, states, objectives, optimizers, per-client pytrees.
 
-Parameters are ``{"backbone": θ, "head": φ}`` (any :class:`~pfedkdh_jax.engine.protocol.Model`); an optimizer sees that
-tree (one part frozen: its gradients and updates zeroed around the optimizer). Per-client pytrees carry a leading client axis
-``[K, ...]``; a round reads and writes only the rows of the selected clients, so the other clients'
+Parameters are ``{"backbone": θ, "head": φ}`` (any :class:`~pfedkdh_jax.engine.protocol.Model`); an
+optimizer sees that tree (the head frozen: :func:`body_only`; the backbone frozen: :func:`head_only`).
+Per-client pytrees carry a leading client axis ``[K, ...]``; a round reads and writes only the rows of the selected clients, so the other clients'
 rows stay bit-identical.
 """
 
@@ -259,24 +259,30 @@ def as_head_part(tx: optax.GradientTransformation) -> optax.GradientTransformati
     def wrap(tree):
         return None if tree is None else {"backbone": {}, "head": tree}
 
-    def named(call, *args):   # a tree over the whole model's leaves (a mask, labels) does not fit: say so
-        try:
-            return call(*args)
-        except (ValueError, TypeError) as e:
-            if "pytree" not in str(e).lower() and "tree structure" not in str(e).lower():
-                raise
-            raise ValueError(
-                "a head trained on its own (FedRep's head epochs, FedBABU's fine-tuning, pFedKDH's EA and "
-                "teacher refit) is shown to its optimizer as {'backbone': {}, 'head': head}, and this optimizer's "
-                "tree (a mask or labels over the whole model's leaves) does not fit it: give it as a function of "
-                "the parameters, e.g. mask=lambda params: jax.tree.map(lambda a: a.ndim > 1, params) (optax: "
-                f"{str(e).strip().splitlines()[0]})") from e
-
     def update(updates, state, params=None):
-        updates, state = named(tx.update, wrap(updates), state, wrap(params))
+        updates, state = _fitted(tx.update, _AS_HEAD, wrap(updates), state, wrap(params))
         return updates["head"], state
 
-    return optax.GradientTransformation(lambda params: named(tx.init, wrap(params)), update)
+    return optax.GradientTransformation(lambda params: _fitted(tx.init, _AS_HEAD, wrap(params)), update)
+
+
+_AS_HEAD = ("a head trained on its own (FedRep's head epochs, pFedKDH's EA and teacher refit) is shown to its "
+            "optimizer as {'backbone': {}, 'head': head}")
+_HEAD_ONLY = ("a head trained with its backbone frozen (FedBABU's head-only fine-tuning) is shown to its optimizer "
+              "as the model's tree with the backbone masked (optax.multi_transform)")
+
+
+def _fitted(call, shown: str, *args):
+    """``call(*args)`` of an optimizer's init or update; a tree of its own over the whole model's leaves (a
+    mask, labels) that does not fit the tree it is shown (``shown``) is a one-line ValueError saying so."""
+    try:
+        return call(*args)
+    except (ValueError, TypeError) as e:
+        if "pytree" not in str(e).lower() and "tree structure" not in str(e).lower():
+            raise
+        raise ValueError(f"{shown}, and this optimizer's tree (a mask or labels over the whole model's leaves) "
+                         "does not fit it: give it as a function of the parameters, e.g. mask=lambda params: "
+                         f"jax.tree.map(lambda a: a.ndim > 1, params) (optax: {str(e).strip().splitlines()[0]})") from e
 
 
 def fit_head(trainer: LocalTrainer, head: PyTree, feats: jax.Array, labels: jax.Array,
@@ -327,12 +333,21 @@ def _one_part(tx: optax.GradientTransformation, frozen: str) -> optax.GradientTr
 
 
 def head_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx`` on the head; the backbone receives exactly zero updates."""
-    return _one_part(tx, "backbone")
+    """``tx`` on the head; the backbone receives exactly zero updates. ``optax.multi_transform``: the
+    optimizer keeps a state for the head's leaves only (the backbone, far larger, would double or treble
+    every fine-tuned client's memory under Adam), so a tree over the whole model does not fit it."""
+    both = optax.multi_transform({"backbone": optax.set_to_zero(), "head": tx}, {"backbone": "backbone",
+                                                                                  "head": "head"})
+
+    def update(updates, state, params=None):
+        return _fitted(both.update, _HEAD_ONLY, updates, state, params)
+
+    return optax.GradientTransformation(lambda params: _fitted(both.init, _HEAD_ONLY, params), update)
 
 
 def body_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx`` on the backbone; the head receives exactly zero updates (it stays bit-identical)."""
+    """``tx`` on the backbone; the head receives exactly zero updates (it stays bit-identical). The
+    optimizer sees the whole model (:func:`_one_part`): its state over the head, the smaller part."""
     return _one_part(tx, "head")
 
 

@@ -225,9 +225,9 @@ def shards_partition(labels, *, num_clients: int, shards_per_client: int = 2, au
                      train_fraction: float = 0.75, seed: int = 0) -> Partition:
     """The FedAvg paper's pathological split: D_s drawn first as in :func:`make_partition`, the rest
     sorted by label, cut into ``num_clients · shards_per_client`` shards of (nearly) equal size, and
-    each client given ``shards_per_client`` shards at random: mostly one class a shard, but a shard cut
-    across a class boundary holds two, so a client holds at most ``2 · shards_per_client`` classes
-    (MNIST, 20 clients × 2 shards: 7 clients hold 3 or 4)."""
+    each client given ``shards_per_client`` shards at random: mostly one class a shard where shards are
+    smaller than a class, but a shard cut across a class boundary holds more than one (MNIST, 20 clients
+    × 2 shards: 7 clients hold 3 or 4 classes; with shards larger than a class, many each)."""
     labels = np.asarray(labels)
     if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer):
         raise DataError(
@@ -443,7 +443,7 @@ def check_partition(part: Partition, num_samples: int) -> None:
     each other and with ``aux_idx``, and may hold no test samples (not scored)."""
     k = part.num_clients
     if not isinstance(k, (int, np.integer)) or k < 2:
-        raise DataError(f"partition: a federation needs >= 2 clients; got num_clients={k}")
+        raise DataError(f"partition: num_clients must be an int >= 2 (a federation); got {k!r}")
     if len(part.train_idx) != k or len(part.test_idx) != k:
         raise DataError(f"partition.num_clients is {k} but it holds {len(part.train_idx)} train_idx and "
                         f"{len(part.test_idx)} test_idx lists: one of each per client")
@@ -480,10 +480,14 @@ def evaluation_view(part: Partition, clients) -> Partition:
     on it computes features of the chosen clients' samples only; the macro accuracy averages over
     the clients that hold test samples, i.e. over ``clients``."""
     ids = np.asarray(clients)
+    if ids.dtype == bool and ids.shape == (part.num_clients,):   # a mask over the clients
+        ids = np.flatnonzero(ids)
+    elif ids.size == 0:
+        ids = ids.astype(np.int64)
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (ids.size and (ids.min() < 0
                                                                                  or ids.max() >= part.num_clients)):
-        raise DataError(f"evaluation_view: clients must be ids in 0 … {part.num_clients - 1}; got "
-                        f"{ids.tolist() if ids.size <= 8 else ids}")
+        raise DataError(f"evaluation_view: clients must be ids in 0 … {part.num_clients - 1} (or a mask of "
+                        f"{part.num_clients}); got {ids.tolist() if ids.size <= 8 else ids}")
     keep = np.zeros(part.num_clients, bool)
     keep[ids] = True
     empty = np.zeros(0, np.int64)

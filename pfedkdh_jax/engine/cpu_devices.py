@@ -52,5 +52,5 @@ def oversubscribed(devices: int) -> str | None:
     cores = usable_cores()
     if devices > cores:
         return (f"sequential clients spread over {devices} XLA:CPU devices that share the {cores} core(s) this "
-                f"process may use (one device per core is the measured choice: --client-devices {cores})")
+                f"process may use (one device per core: the choice measured on 2 cores; --client-devices {cores})")
     return None

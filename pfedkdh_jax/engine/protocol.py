@@ -524,7 +524,7 @@ def check_algorithm(algo, where: str) -> None:
     object (a config, a model, ``None``)."""
     if isinstance(algo, type):
         raise TypeError(f"{where}: give a method, not its class: build one with {algo.__name__}(model, config)")
-    if not isinstance(algo, Algorithm) and not hasattr(algo, "phases"):
+    if not isinstance(algo, Algorithm) and not callable(getattr(algo, "eval_models", None)):
         raise TypeError(f"{where}: takes a method (an Algorithm, e.g. p.FedPer(model, p.FedPerConfig())); got a "
                         f"{type(algo).__name__}")
 

@@ -247,20 +247,27 @@ def make_round(algo: Algorithm, layout: Layout = Layout()) -> RoundPieces:
     return same_pieces(RoundPieces(algo, layout.resolved(), trace_scan=layout.step_loop is None))
 
 
-_PIECES: dict = {}   # pieces by value, the latest _PIECES_KEPT: see same_pieces
-_PIECES_KEPT = 32
+_PIECES: dict = {}   # (type, id of the algorithm, the rest) -> pieces, the latest _PIECES_KEPT: see same_pieces
+_PIECES_KEPT = 8
 
 
 def same_pieces(pieces):
-    """The pieces made before that equal ``pieces`` (the same algorithm object, or one equal to it, and
-    layout), else ``pieces``: ``jax.jit(make_round(algo))`` built again for the same method then finds
-    the program it compiled before (jit's cache holds a function by identity, and a new, equal object
-    compiled again). Unhashable pieces (a config holding a list) are returned as they are."""
+    """The pieces made before for the same algorithm object (identity: an equal one may compute otherwise,
+    a weakly typed ``lr=1.0`` against ``np.float64(1.0)``) with an equal layout, else ``pieces``:
+    ``jax.jit(make_round(algo))`` built again for the same method then finds the program it compiled
+    before (jit's cache holds a function by identity: new pieces compiled again). The latest
+    ``_PIECES_KEPT`` are kept, and with them their algorithms; pieces whose algorithm or layout does not
+    hash (a config holding a traced value, rebuilt inside a trace, or a list) only pass through."""
+    fields = {f.name: getattr(pieces, f.name) for f in dataclasses.fields(pieces) if f.name != "algo"}
     try:
-        found = _PIECES.pop(pieces, None)
+        hash(pieces.algo)   # a traced hyperparameter raises here: never kept
+        key = (type(pieces), id(pieces.algo), tuple(fields.items()))
+        found = _PIECES.pop(key, None)
     except TypeError:
         return pieces
-    _PIECES[pieces] = found = pieces if found is None else found   # most recent last
+    if found is None or found.algo is not pieces.algo:
+        found = pieces
+    _PIECES[key] = found   # most recent last
     while len(_PIECES) > _PIECES_KEPT:
         _PIECES.pop(next(iter(_PIECES)))
     return found

@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import numbers
 import warnings
 from typing import Any, Sequence
 
@@ -576,7 +577,7 @@ class RoundRunner:
         check_one_phase(algo, "RoundRunner(algo, ...)")
         check_pieces(algo, "RoundRunner(algo, ...)")
         check_data(data, "RoundRunner(algo, data)")
-        if reps is not None and (isinstance(reps, bool) or not isinstance(reps, int) or reps < 1):
+        if reps is not None and (isinstance(reps, bool) or not isinstance(reps, numbers.Integral) or reps < 1):
             raise ValueError(f"RoundRunner: reps must be None (one run) or a count >= 1 of repetitions; got {reps!r}")
         self.algo, self.reps, self.mesh = algo, reps, mesh
         self.donate_state = donate_state

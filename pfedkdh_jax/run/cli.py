@@ -406,7 +406,9 @@ def _sweep(args) -> int:
             except (ValueError, KeyError):
                 raise ConfigError(f"--grid {key}: values must be {getattr(typ, '__name__', 'true/false')}; "
                                   f"got {values!r}") from None
-        margs = _sweep_method_args(axes.get("method_args") or {})
+        from pfedkdh_jax.names import canonical_name
+        margs = {canonical_name(m, METHODS): pairs
+                 for m, pairs in _sweep_method_args(axes.get("method_args") or {}).items()}
         flags: dict[str, list] = {}
         for item in args.sweep_method_args or []:
             if ":" not in item or "=" not in item.split(":", 1)[1]:
@@ -414,7 +416,7 @@ def _sweep(args) -> int:
             m, pair = item.split(":", 1)
             if "," in pair.split("=", 1)[1]:
                 raise ConfigError(f"--method-arg {item}: one value a sweep; for several, --grid {item}")
-            flags.setdefault(m, []).append(tuple(pair.split("=", 1)))
+            flags.setdefault(canonical_name(m, METHODS), []).append(tuple(pair.split("=", 1)))   # FedProx: fedprox
         margs.update({m: _flags_over_file(margs.get(m, ()), pairs) for m, pairs in flags.items()})
         from pfedkdh_jax.run.sweep import make_sweep, run_sweep
         sweep = make_sweep(datasets, alphas, methods,

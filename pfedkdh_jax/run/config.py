@@ -335,8 +335,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.fill in ("auto", "redraw", "top_up"), f"--fill must be auto, redraw or top_up; got {cfg.fill!r}")
     defaults = RunConfig.__dataclass_fields__
     if cfg.partition == "shards":   # the Dirichlet draw's own options would be ignored without a word
-        unread = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in ("fill", "balance_cap")
-                  if getattr(cfg, k) != defaults[k].default]
+        unread = ([f"--fill {cfg.fill}"] * (cfg.fill != defaults["fill"].default)
+                  + ["--balance-cap"] * bool(cfg.balance_cap))
         _check(not unread, f"--partition shards does not read {' or '.join(unread)} (options of the Dirichlet "
                            "draw); leave them out")
     else:

@@ -78,7 +78,7 @@ def prepare_data(cfg: RunConfig, pool: data_lib.Pool | None = None) -> tuple[dat
         if smallest < cfg.min_client_samples:   # the shards are equal: every client holds about this many
             raise data_lib.DataError(
                 f"--partition shards gives clients of {smallest} samples, fewer than --min-client-samples "
-                f"{cfg.min_client_samples}: use fewer --clients or --shards-per-client, or lower --min-client-samples")
+                f"{cfg.min_client_samples}: use fewer --clients or lower --min-client-samples")
     else:
         part = data_lib.make_partition(
             pool.labels, num_clients=cfg.num_clients, alpha=cfg.alpha, aux_size=cfg.aux_size,

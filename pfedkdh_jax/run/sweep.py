@@ -148,7 +148,8 @@ def make_sweep(datasets, alphas, methods, seeds=1, grid=None, preset="default", 
             raise ConfigError(f"--grid {key}: none of the sweep's methods reads it (an option of {users}){hint}")
     if not isinstance(seeds, int) or seeds < 1:
         raise ConfigError(f"--seeds must be >= 1; got {seeds}")
-    if options.get("partition") == "shards" and len(tuple(alphas)) > 1:   # one split under every α label
+    alphas = tuple(alphas)
+    if options.get("partition") == "shards" and len(alphas) > 1:   # one split under every α label
         raise ConfigError(f"--partition shards does not read α: --alphas {','.join(map(str, alphas))} would run "
                           "one partition under each label; give one α")
     sweep = Sweep(listed("datasets", datasets), tuple(float(a) for a in listed("alphas", alphas)),
