@@ -256,7 +256,7 @@ def same_pieces(pieces):
     a weakly typed ``lr=1.0`` against ``np.float64(1.0)``) with an equal layout, else ``pieces``:
     ``jax.jit(make_round(algo))`` built again for the same method then finds the program it compiled
     before (jit's cache holds a function by identity: new pieces compiled again). The latest
-    ``_PIECES_KEPT`` are kept, and with them their algorithms; pieces whose algorithm or layout does not
+    ``_PIECES_KEPT`` are kept, each with its method; pieces whose algorithm or layout does not
     hash (a config holding a traced value, rebuilt inside a trace, or a list) only pass through."""
     fields = {f.name: getattr(pieces, f.name) for f in dataclasses.fields(pieces) if f.name != "algo"}
     try:
