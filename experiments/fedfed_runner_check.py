@@ -15,7 +15,6 @@ an optimizer state the runner carried otherwise than the round, would show under
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -36,10 +35,10 @@ def main(argv=None) -> int:
     import pfedkdh_jax as p
     from pfedkdh_jax.data.sources import load_pool
 
-    spec = importlib.util.spec_from_file_location("own_method_runner", os.path.join(HERE, "examples", "own_method.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["own_method_runner"] = mod
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, HERE)
+    from check_method_timing import example_module   # its setting: the example's MLP on 400 digits
+
+    mod = example_module()
     pool = load_pool("digits")
     data = p.from_arrays(pool.images[:400], pool.labels[:400], num_clients=4, alpha=1.0, aux_size=40, seed=0)
     model = p.LinenModel(mod.MLP(), nn.Dense(10))
