@@ -30,8 +30,5 @@ def clashing_name(name: str, taken) -> str | None:
     """The name of ``taken`` that ``name`` would be read as, or shadow, regardless of case, '-' and '_'
     or as a dataset's alias (``Mnist`` and ``mnist``, ``fmnist`` and ``fashion_mnist``); ``None`` if none.
     A registration under such a name would make one of the two unreachable by some spelling."""
-    key = bare(name)
-    for other in taken:
-        if other != name and (bare(other) == key or DATASET_ALIASES.get(key) == other):
-            return other
-    return None
+    other = canonical_name(name, [t for t in taken if t != name])   # the reading every lookup makes
+    return None if other == name else other

@@ -13,6 +13,7 @@ import sys
 
 from pfedkdh_jax.run.config import METHODS, PRESETS, ConfigError, RunConfig, make_config, method_arg_pairs, under
 from pfedkdh_jax.data import DATASETS, DataError
+from pfedkdh_jax.names import canonical_name
 
 def _pfedkdh_flags() -> list[tuple]:
     """pFedKDH's options as flags, from its config class (their one source: help and checks); its
@@ -406,7 +407,6 @@ def _sweep(args) -> int:
             except (ValueError, KeyError):
                 raise ConfigError(f"--grid {key}: values must be {getattr(typ, '__name__', 'true/false')}; "
                                   f"got {values!r}") from None
-        from pfedkdh_jax.names import canonical_name
         margs = {canonical_name(m, METHODS): pairs
                  for m, pairs in _sweep_method_args(axes.get("method_args") or {}).items()}
         flags: dict[str, list] = {}
