@@ -70,6 +70,21 @@ def test_upconv_is_flax_conv_transpose(channels, features, side):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_upconv_keeps_flax_dtypes_under_x64():
+    """As flax's layers, UpConv keeps float32 parameters under jax_enable_x64 and computes in the wider of
+    theirs and the input's (its kernel followed the default float, float64, and the convolution refused
+    float32 features: the VAE could not be initialised)."""
+    import flax.linen as nn
+    with jax.enable_x64(True):
+        x = jnp.ones((1, 4, 4, 2), jnp.float32)
+        for m in (UpConv(3), nn.ConvTranspose(3, (4, 4), strides=(2, 2))):
+            params = m.init(jax.random.key(1), x)
+            assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+            assert m.apply(params, x).dtype == jnp.float32 and m.apply(params, x.astype(jnp.float64)).dtype == jnp.float64
+        v = VAE(1, 4).init(jax.random.key(0), jnp.zeros((1, 8, 8, 1), jnp.float32))
+        assert {a.dtype for a in jax.tree.leaves(v)} == {jnp.dtype(jnp.float32)}
+
+
 def test_ce_reaches_the_vae_and_mse_does_not_reach_f(tiny):
     _, _, data = tiny
     algo = make(data)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+from flax.linen.dtypes import promote_dtype
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,9 +59,13 @@ class UpConv(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = x.shape[-1]
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (4, 4, c, self.features))
-        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,))
-        taps = jnp.asarray(_PARITY_TAPS)
+        # float32 parameters whatever JAX's default float (as flax's layers keep them), computed in the
+        # wider of theirs and the input's (under jax_enable_x64 the kernel followed the default, float64,
+        # and the convolution refused the float32 features)
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (4, 4, c, self.features), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
+        x, kernel, bias = promote_dtype(x, kernel, bias)
+        taps = jnp.asarray(_PARITY_TAPS, kernel.dtype)
         w = jnp.einsum("pyu,qxv,uvco->yxcpqo", taps, taps, kernel).reshape(3, 3, c, 4 * self.features)
         y = jax.lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)),
                                          dimension_numbers=("NHWC", "HWIO", "NHWC"))
