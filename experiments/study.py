@@ -226,12 +226,17 @@ def _last_round(run_dir: str) -> int:
 
 
 def status(name: str) -> None:
-    """One line per point of the study directory, then the study's progress against its planned points."""
+    """One line per point, of the study directory and of experiments/results (points finished on another
+    machine are saved there without a study directory here), then the study's progress against its
+    planned points."""
     root = study_dir(name)
+    here, saved_points = set(_points(root)), set(_points(os.path.join(RESULTS, name)))
     done = saved_n = 0
-    for point in _points(root):
+    for point in sorted(here | saved_points):
         d = os.path.join(root, "points", point)
-        if _completed(d):
+        if point not in here:
+            state = "not here (saved from another run)"
+        elif _completed(d):
             state = "completed"
             done += 1
         else:
@@ -246,8 +251,10 @@ def status(name: str) -> None:
             planned = json.load(f)["points"]
     except (OSError, ValueError, KeyError):
         planned = None
+    unsaved = sum(1 for point in here if _completed(os.path.join(root, "points", point))
+                  and not _completed(os.path.join(RESULTS, name, "points", point)))
     print(f"{done} of {planned if planned else '?'} points completed here, {saved_n} saved to experiments/results"
-          + ("" if done == saved_n else " (run `sync` to save the rest)"))
+          + (" (run `sync` to save the rest)" if unsaved else ""))
 
 
 def main(argv=None) -> int:

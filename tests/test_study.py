@@ -53,3 +53,10 @@ def test_status_reports_the_running_round_and_the_progress(tmp_path, monkeypatch
     assert not os.path.isabs(json.loads((saved / "config.json").read_text())["data_dir"])
     st.status("table2")
     assert capsys.readouterr().out.splitlines()[-1] == "1 of 4 points completed here, 1 saved to experiments/results"
+
+    # a fresh machine: no study directory, the points saved by another (before: "0 saved", and no lines)
+    monkeypatch.setenv("PFEDKDH_STUDY_DIR", str(tmp_path / "elsewhere"))
+    st.status("table2")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["mnist-a0.1-fedavg", "not", "here", "(saved", "from", "another", "run)", "saved"]
+    assert out[-1] == "0 of 4 points completed here, 1 saved to experiments/results"
