@@ -7,6 +7,7 @@ import importlib.util
 import json
 import pathlib
 import typing
+import warnings
 
 import flax.linen as nn
 import jax
@@ -750,6 +751,52 @@ def test_check_method_tells_round_off_from_repetitions_that_depend_on_each_other
                                               r"alone, the state: .* differs by .*; a repetition's round depends on "
                                               r"the other's"):
         p.check_method(pooled, digits, rounds=1, checks=("repetitions",))
+
+
+def test_check_method_runner_carries_each_clients_state_and_tells_round_off(digits, monkeypatch):
+    """FedFed keeps each client's VAE optimizer state across rounds (never uploaded). With its weights
+    frozen (lr 0: the states only add up gradients, and nothing grows round-off), two rounds of three of
+    the four clients (two train twice, taking their state back) agree between the host runner and the
+    pure round to 1e-6: the pure round is compiled with the runner's local-training options (before: with
+    XLA's defaults, and the VAE's gradients differed by 3e-4). A runner that hands the clients' results to
+    the wrong clients fails. A runner's gap no larger than the pure round's own under another compilation
+    is a RoundOffWarning; larger, a ProtocolError."""
+    import optax
+    from pfedkdh_jax.engine import conformance, runner
+    pool = load_pool("digits")
+    small = p.from_arrays(pool.images[:240], pool.labels[:240], num_clients=4, alpha=1.0, aux_size=40, seed=0)
+    frozen = p.FedFed(small_model(), p.FedFedConfig(
+        local_epochs=1, batch_size=32, feature_rounds=5, vae_width=4, optimizer=optax.sgd(0.0),
+        vae_optimizer=optax.sgd(0.0, momentum=0.9)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", p.RoundOffWarning)
+        p.check_method(frozen, small, rounds=2, clients_per_round=3, checks="runner", tol=1e-6)
+
+    algo = p.FedPer(small_model(), p.FedPerConfig(local_epochs=1, batch_size=32))
+    stack = runner._Rows.stack
+    monkeypatch.setattr(runner._Rows, "stack", lambda self, rows, n: stack(self, list(rows)[::-1], n))
+    with pytest.raises(p.ProtocolError, match=r"check_method\(FedPer\): the host runner \(PhasedRunner\) against "
+                                              r"the pure round, the state: .* differs by"):
+        p.check_method(algo, digits, rounds=1, checks="runner")
+    monkeypatch.setattr(runner._Rows, "stack", stack)
+
+    real = conformance._pure_rounds
+    probe_shift = {"value": 1.0}
+
+    def shifted(*args, options=None):   # the round compiled with the runner's options, and otherwise
+        run = real(*args, options=options)
+        d = 0.5 if options is not None else probe_shift["value"]
+        return dataclasses.replace(run, state=jax.tree_util.tree_map(
+            lambda x: x + d if jnp.issubdtype(x.dtype, jnp.floating) else x, run.state))
+    monkeypatch.setattr(conformance, "_pure_rounds", shifted)
+    monkeypatch.setattr(conformance, "local_training_compiler_options", lambda: {})
+    with pytest.warns(p.RoundOffWarning, match=r"check_method\(FedPer\): the host runner .* differs by 0.5 .*; yet "
+                                               r"the pure round compiled otherwise differs from itself by 0.5"):
+        p.check_method(algo, digits, rounds=1, checks="runner")
+    probe_shift["value"] = 0.5   # compiled otherwise, the pure round is the same: the gap is the runner's
+    with pytest.raises(p.ProtocolError, match=r"the host runner .* differs by 0.5 .* \(the pure round compiled "
+                                              r"otherwise differs from itself by 0\)"):
+        p.check_method(algo, digits, rounds=1, checks="runner")
 
 
 def test_a_traced_personalize_flag_is_named(digits):
