@@ -324,3 +324,22 @@ def test_help_states_each_default_once_and_every_methods_own_options(capsys):
     assert "fedprox: mu;" in text and "fedrep: head_epochs;" in text
     assert ("shortened (fedrep: head_epochs=2, fedbabu: finetune_epochs=1, pfedme: inner_steps=2, "
             "fedfed: feature_rounds=1)") in text
+
+
+def test_resume_takes_a_data_dir_where_the_stored_one_does_not_resolve(tmp_path, monkeypatch, capsys):
+    """A run's stored --data-dir may be relative (README's ../shared/data/tfds) and read from elsewhere, or
+    point at another machine: `resume RUN --data-dir DIR` (and --cache-dir) replaces it (before: not an
+    option, and the stored path won over $TFDS_DATA_DIR); a data dir that does not exist says so, not that
+    the dataset needs preparing."""
+    from pfedkdh_jax.data.sources import DataError, load_pool
+    from pfedkdh_jax.run import experiment
+    seen = {}
+    monkeypatch.setattr(experiment, "resume", lambda run_dir, progress=True, **kw: seen.update(kw, run_dir=run_dir) or {"out": run_dir})
+    assert cli.main(["resume", str(tmp_path), "--data-dir", "/data/tfds", "--cache-dir", "/data/cache"]) == 0
+    assert seen == {"data_dir": "/data/tfds", "cache_dir": "/data/cache", "run_dir": str(tmp_path)}
+    seen.clear()
+    assert cli.main(["resume", str(tmp_path)]) == 0 and seen == {"run_dir": str(tmp_path)}   # the stored ones
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=r"data dir 'tfdslink' does not exist \(read from .*, a relative path\): give "
+                                        r"the directory .* `pfedkdh resume RUN --data-dir DIR`"):
+        load_pool("mnist", data_dir="tfdslink", cache_dir=str(tmp_path / "cache"))

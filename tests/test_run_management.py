@@ -188,6 +188,14 @@ def test_divergence_names_round_and_clients_and_keeps_results(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "diverged at round 1"
     assert len(rows(out)) == 1
+    # neither a second run there nor a resume offers to continue it (before: "continue it with pfedkdh resume",
+    # which replayed the options into the same divergence)
+    assert cli.main(["run", "--preset", "smoke", "--lr", "10", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} already holds a pfedkdh run that diverged at round 1 (1 rounds kept)" in err
+    assert "pfedkdh resume" not in err and err.count("\n") == 1
+    assert cli.main(["resume", str(out), "--no-progress"]) == 2
+    assert "the run diverged at round 1; resuming it replays its stored options" in capsys.readouterr().err
 
 
 def test_same_config_and_seeds_reproduce_the_summary(tmp_path, reference):

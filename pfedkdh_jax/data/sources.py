@@ -378,6 +378,11 @@ def _check_prepared(name: str, version: str, root: str) -> dict:
     version_dir = os.path.join(root, name, version)
     info_path = os.path.join(version_dir, "dataset_info.json")
     if not os.path.isfile(info_path):
+        if not os.path.isdir(root):   # a path that does not resolve here (a relative one read from elsewhere)
+            raise DataError(f"data dir {root!r} does not exist (read from {os.getcwd()!r}"
+                            + ("" if os.path.isabs(root) else ", a relative path") + "): give the directory "
+                            "that holds the prepared datasets (--data-dir, or `pfedkdh resume RUN --data-dir DIR` "
+                            "for a stored run)")
         present = ""
         name_dir = os.path.join(root, name)
         if os.path.isdir(name_dir):

@@ -172,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--plugin", dest="plugins", action="append", default=None, metavar="MODULE",
                      help="the modules registering the run's method or dataset, when its config.json does not "
                           "name them (a run started from Python) or they moved; replaces the stored ones")
+    res.add_argument("--data-dir", default=None,
+                     help="where the run's dataset is prepared, when the stored --data-dir does not resolve here "
+                          "(a relative path read from another directory, another machine); replaces the stored one")
+    res.add_argument("--cache-dir", default=None, help="the decoded-array cache, likewise; replaces the stored one")
     res.add_argument("--no-progress", action="store_true", help="no progress bar")
     sw = sub.add_parser("sweep", help="a grid of datasets × α × methods × seeds: the paper's tables",
                         description="Run every point of a grid (each point's seeds as one run's repetitions) "
@@ -542,6 +546,7 @@ def _resume(args) -> int:
         given = {} if args.plugins is None else {"plugins": plugins(args.plugins)}
     except ConfigError as e:
         return _error(e)
+    given.update({k: v for k, v in (("data_dir", args.data_dir), ("cache_dir", args.cache_dir)) if v is not None})
     return _guarded(lambda: resume(args.run_dir, progress=not args.no_progress, **given))
 
 
