@@ -271,3 +271,26 @@ def test_a_sweep_grows_by_a_method_and_keeps_its_finished_points(tmp_path):
     with pytest.raises(ConfigError, match="holds another sweep"):   # shrinking is no growth
         run_sweep(make_sweep(["digits"], [0.5], ["fedavg"], options=one), out)
 
+
+
+def test_costs_mark_a_point_whose_rounds_all_compiled(monkeypatch):
+    """costs.md marks with † a point whose seconds per round include compiling (a one-round point), gives its
+    cell no ratio to FedPer's, and writes – for an evaluation time it does not have (before: 27.571 s a round
+    unmarked beside a steady 0.37, its ratio read from it, and 0.000 s of evaluation)."""
+    import types
+    from pfedkdh_jax.run import sweep as sw
+
+    def item(name, method, alpha, summary):
+        return {"name": name, "cfg": types.SimpleNamespace(dataset="digits", alpha=alpha, method=method),
+                "run": {"summary": summary}}
+    items = [item("a1-fedper", "fedper", 0.1, {"seconds_per_round": 27.571, "seconds_per_round_includes_compile": True,
+                                                "eval_seconds_median": 2.0}),
+             item("a1-pfedkdh", "pfedkdh", 0.1, {"seconds_per_round": 28.893, "seconds_per_round_includes_compile": True}),
+             item("a5-fedper", "fedper", 0.5, {"seconds_per_round": 0.4, "eval_seconds_median": 0.5}),
+             item("a5-pfedkdh", "pfedkdh", 0.5, {"seconds_per_round": 0.6, "eval_seconds_median": 0.7})]
+    monkeypatch.setattr(sw, "_load", lambda sweep, out: items)
+    lines = sw.costs_markdown(None, "unused").splitlines()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]] for line in lines[2:6]}
+    assert rows == {"a1-fedper": ["27.571 †", "–", "2.000"], "a1-pfedkdh": ["28.893 †", "–", "–"],
+                    "a5-fedper": ["0.400", "1.00", "0.500"], "a5-pfedkdh": ["0.600", "1.50", "0.700"]}
+    assert lines[-1].startswith("† a point whose every round compiled")

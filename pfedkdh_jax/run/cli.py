@@ -71,7 +71,7 @@ _FLAGS = [
     ("--eval-every", "eval_every", int, "evaluate every N rounds (and the last)"),
     ("--eval-clients", "eval_clients", int, "score a fixed random subset of N clients (drawn from --data-seed) "
                                             "instead of all; 0: all (default)"),
-    ("--ea-every", "ea_every", int, "EA evaluation every N rounds (and the last)"),
+    ("--ea-every", "ea_every", int, "EA evaluation at the evaluated rounds (--eval-every) that are multiples of N, and the last (a method with an adapted evaluation: pFedKDH's EA, FedBABU's fine-tuning; the others have none)"),
     ("--client-parallel", "client_parallel", str, "vmap | sequential (default: per backend)"),
     ("--step-loop", "step_loop", str, "scan | unrolled (default: per backend)"),
     ("--chunk-steps", "chunk_steps", int, "local steps per compiled chunk when unrolled"),

@@ -90,7 +90,7 @@ class RunConfig:
     # --- evaluation
     eval_every: int = 1                # Fair evaluation of all clients every N rounds (and the last)
     eval_clients: int = 0              # > 0: evaluations score this fixed random subset of the clients
-    ea_every: int = 10                 # EA evaluation every N rounds (and the last)
+    ea_every: int = 10                 # EA at evaluated rounds that are multiples of N (and the last)
     # --- engine (None = the backend's measured default; see BENCHMARKS.md)
     client_parallel: str | None = None  # vmap | sequential
     step_loop: str | None = None       # scan | unrolled

@@ -506,12 +506,20 @@ def costs_markdown(sweep: Sweep, out: str) -> str:
               for i in items if i["cfg"].method == "fedper"}
     lines = ["| point | seconds per round (training, median) | ÷ FedPer's on the cell | evaluation (s, median) "
              "| MB down / up per selected client and round |", "|---|---|---|---|---|"]
+    compiled = {(i["cfg"].dataset, i["cfg"].alpha) for i in items
+                if (((i["run"] or {}).get("summary") or {}).get("seconds_per_round_includes_compile"))}
     for i in items:
         s = (i["run"] or {}).get("summary") or {}
         spr, ref = s.get("seconds_per_round"), fedper.get((i["cfg"].dataset, i["cfg"].alpha))
-        ratio = f"{spr / ref:.2f}" if spr and ref else "–"
-        lines.append(f"| {i['name']} | {'–' if spr is None else f'{spr:.3f}'} | {ratio} | "
-                     f"{s.get('eval_seconds_median', 0.0):.3f} | {_traffic(s.get('bytes_per_client_round'))} |")
+        # a one-round point's figure is mostly compiling (marked †), and no ratio is read from one
+        ratio = f"{spr / ref:.2f}" if spr and ref and (i["cfg"].dataset, i["cfg"].alpha) not in compiled else "–"
+        mark = " †" if s.get("seconds_per_round_includes_compile") else ""
+        ev = s.get("eval_seconds_median")
+        lines.append(f"| {i['name']} | {'–' if spr is None else f'{spr:.3f}{mark}'} | {ratio} | "
+                     f"{'–' if ev is None else f'{ev:.3f}'} | {_traffic(s.get('bytes_per_client_round'))} |")
+    if compiled:
+        lines.append("\n† a point whose every round compiled (one round, say): its seconds per round include "
+                     "compiling, and its cell gives no ratio")
     return "\n".join(lines)
 
 
