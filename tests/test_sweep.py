@@ -194,6 +194,8 @@ def test_names_are_read_regardless_of_case():
                                                                      "sweep; for several, --grid fedprox:mu=0.1,0.2"),
     (["--methods", "pfedkdh", "--grid", "pfedkdh:lam=0,1"], "pfedkdh has no option 'lam' of its own (its options are "
                                                               "run options: --grid lam=V1,V2)"),
+    (["--methods", "pfedkdh,fedavg", "--lam", "0.5"], "--lam is an option of pfedkdh; --method fedavg does not use it "
+                                                     "(a sweep's --grid lam=V gives it to the methods that use it only)"),
 ])
 def test_sweep_bad_options_are_one_line_errors(argv, message, capsys):
     assert cli_main(["sweep", "--datasets", "digits", *argv]) == 2

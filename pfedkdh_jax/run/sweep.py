@@ -209,7 +209,13 @@ def points(sweep: Sweep, out: str = "sweep") -> list[tuple[str, RunConfig]]:
                                   alpha=alpha, method=method, reps=sweep.seeds, method_args=args,
                                   out=os.path.join(out, "points", name))
             except ConfigError as e:
-                raise ConfigError(f"sweep point {name}: {e}") from None
+                # a method's run option (--lam) given to a sweep of several methods: --grid gives it only to those
+                # that use it
+                kept = sorted(k for k in fixed if k not in METHODS[method].run_options
+                              and any(k in spec.run_options for spec in METHODS.values()))
+                hint = (f" (a sweep's --grid {kept[0]}=V gives it to the methods that use it only)"
+                        if kept and len(sweep.methods) > 1 else "")
+                raise ConfigError(f"sweep point {name}: {e}{hint}") from None
             result.append((name, cfg))
     return result
 
