@@ -718,9 +718,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="compare with the committed page and figures; write nothing")
     p.add_argument("--no-figures", action="store_true", help="the page only")
-    p.add_argument("--results", default=RESULTS, help="the results directory (default experiments/results)")
+    p.add_argument("--results", default=RESULTS, help="the results directory, in experiments/results' layout "
+                                                       "(paper_table2.json, each study's points/; default experiments/results)")
     p.add_argument("--page", default=PAGE, help="the page (default BENCHMARKS.md)")
     a = p.parse_args(argv)
+    if not os.path.isfile(a.page):
+        p.error(f"--page {a.page}: no such file (the page whose results section is written)")
+    if not os.path.isfile(os.path.join(a.results, "paper_table2.json")):
+        p.error(f"--results {a.results}: not a results directory of this project's layout (it has no "
+                "paper_table2.json beside the studies' points/)")
     res = load(a.results)
     old = _read(a.page).decode("utf-8")
     new, figs = replace_section(old, section(res)), ({} if a.no_figures else figures(res))

@@ -259,3 +259,13 @@ def test_a_spread_of_many_rows_gives_their_order_over_the_partitions(results):
     assert "## Over 3 partitions: 12 methods (pFedKDH-Fair λ = 0 (default), FedPer, ...) on MNIST α = 0.1" in text
     # two rows on every partition are no order
     assert "by the mean over the partitions" not in "\n".join(rp.spread_section(res, res["spreads"]["spread"]))
+
+
+def test_a_missing_page_or_a_foreign_results_directory_is_one_line(tmp_path, capsys):
+    """A --page that does not exist, or --results that is not experiments/results' layout, is one line
+    (before: AttributeError on None.decode, FileNotFoundError on paper_table2.json)."""
+    for argv, said in ((["--check", "--page", str(tmp_path / "nope.md")], "no such file"),
+                       (["--check", "--results", str(tmp_path)], "not a results directory of this project's layout")):
+        with pytest.raises(SystemExit) as e:
+            rp.main(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err
