@@ -727,7 +727,11 @@ def main(argv=None) -> int:
     if not os.path.isfile(os.path.join(a.results, "paper_table2.json")):
         p.error(f"--results {a.results}: not a results directory of this project's layout (it has no "
                 "paper_table2.json beside the studies' points/)")
-    res = load(a.results)
+    try:
+        res = load(a.results)
+    except FileNotFoundError as e:   # a directory with some of the layout's files only
+        p.error(f"--results {a.results}: {e.filename} is missing (experiments/results' layout: paper_table2.json, "
+                "the studies' study.json and points/, ablation.json, ...)")
     old = _read(a.page).decode("utf-8")
     new, figs = replace_section(old, section(res)), ({} if a.no_figures else figures(res))
     fig_dir = os.path.join(a.results, "figures")

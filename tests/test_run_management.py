@@ -195,7 +195,15 @@ def test_divergence_names_round_and_clients_and_keeps_results(tmp_path, capsys):
     assert f"--out {out} already holds a pfedkdh run that diverged at round 1 (1 rounds kept)" in err
     assert "pfedkdh resume" not in err and err.count("\n") == 1
     assert cli.main(["resume", str(out), "--no-progress"]) == 2
-    assert "the run diverged at round 1; resuming it replays its stored options" in capsys.readouterr().err
+    assert "the run diverged at round 1; resuming it replays its stored options to the same end" in capsys.readouterr().err
+    # a sweep meeting such a point leaves it as it is (before: resumed it into the same divergence)
+    from pfedkdh_jax.run.sweep import _status
+    assert _status(str(out)) == "ended"
+    summary["status"] = "stopped at round 1"   # out of a method's rows: likewise
+    (out / "summary.json").write_text(json.dumps(summary))
+    assert _status(str(out)) == "ended"
+    assert cli.main(["resume", str(out), "--no-progress"]) == 2
+    assert "the run stopped at round 1; resuming it replays" in capsys.readouterr().err
 
 
 def test_same_config_and_seeds_reproduce_the_summary(tmp_path, reference):

@@ -33,14 +33,17 @@ value when traced).
 The runner compiles its step pieces with the local-training options
 (:func:`~pfedkdh_jax.engine.layout.local_training_compiler_options`; on XLA:CPU another set of kernels), and
 the pure round it is compared with is compiled with them too. Where the runner still differs beyond
-``3·tol``, the same pure round compiled otherwise (XLA's defaults; where those are the options, the other
-layout) shows how far the method carries a change of compilation alone: a runner gap at most
-:data:`RUNNER_ROUND_OFF` times that, every value finite, is a :class:`RoundOffWarning` with both sizes;
-a larger one a ``ProtocolError``. FedFed is such a method: with its weights frozen (lr 0) its runner
-agrees with the pure round to 1e-6 over rounds where clients take their VAE optimizer states back, but
-one step's gradients move by ~1e-3 for a relative change of 1e-7 in the VAE's weights, and by as much for
-1e-6 (a jump, not a slope: the VAE's ReLUs are its only kinks), so that two compilations of a
-training round differ by ~1e-3 to 1e-2 (``experiments/fedfed_runner_check.py``).
+``3·tol`` in float values only, the same pure round compiled with XLA's defaults shows how far the method
+carries a change of compilation alone: where in every leaf beyond the tolerance the runner's gap is at most
+:data:`RUNNER_ROUND_OFF` times that one, every value finite, the gap is a :class:`RoundOffWarning` with both
+sizes; otherwise a ``ProtocolError``. (Where the options are XLA's defaults, on other backends or with the
+option set in ``XLA_FLAGS``, there is no other compilation to measure, and a gap is a ``ProtocolError``.)
+FedFed is such a method: with its weights frozen (lr 0) its runner agrees with the pure round to 1e-6 over
+rounds where clients take their VAE optimizer states back, but a relative change of 1e-6 in the VAE's
+weights moves one round's summed gradients by 1.2 % of a leaf (one of 1e-7 by 1e-6: a jump, not a slope),
+so that two compilations of a training round differ by ~1e-3 to 1e-2 (``experiments/fedfed_runner_check.py``).
+A warned gap can hide a runner fault of its size: for such a method, a check with the weights frozen is the
+conclusive one.
 
 The test suite runs it over a method written outside the package
 (``experiments/examples/own_method.py``) and over broken ones.
@@ -208,8 +211,8 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
         _check_repetitions(algo, data, schedule, keys, seed, tol, name)
     if "runner" in checks:
         # the runner compiles its step pieces with the local-training options (on XLA:CPU another set of
-        # kernels): the pure round it is compared with is compiled with them too, so that only the
-        # splitting into pieces differs (FedFed's VAE turns a change of kernels into gaps of ~1e-3)
+        # kernels; its other pieces with XLA's defaults): the pure round it is compared with is compiled
+        # with them too, so that the two programs' step kernels are the same
         layout, options = LAYOUTS[1], local_training_compiler_options()
         pure = (runs.get(layout) if options is None else None) or _pure_rounds(algo, data, layout, schedule, keys,
                                                                                 seed, options=options)
@@ -220,54 +223,75 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
         what = f"check_method({name}): the host runner (PhasedRunner) against the pure round, the state"
         hint = ("the runner calls the pieces one by one: a piece that is not pure, or a round_start whose result "
                 "server_update needs?")
-        try:
+        if options is None:   # compiled alike: nothing measures what another compilation would move
             _compare(what, state, pure.state, tol * 3, hint)
-        except ProtocolError:
-            # the same pure round compiled otherwise (XLA's default kernels, or the other layout): how far
-            # the method carries a change of compilation alone
-            probe = ref if options is None else runs.get(layout) or _pure_rounds(algo, data, layout, schedule,
-                                                                                 keys, seed)
-            _runner_round_off(what, hint, state, pure.state, probe.state, tol * 3)
+        else:
+            try:
+                _compare(what, state, pure.state, tol * 3, hint)
+            except ProtocolError:
+                # the same pure round compiled with XLA's default kernels: how far the method carries a
+                # change of compilation alone, leaf by leaf
+                probe = runs.get(layout) or _pure_rounds(algo, data, layout, schedule, keys, seed)
+                _runner_round_off(what, hint, state, pure.state, probe.state, tol * 3)
     return scores
 
 
-# a runner's gap no larger than this many times the pure round's own gap under another compilation is
-# round-off the method amplifies (a RoundOffWarning), not a piece the runner calls otherwise
+# a runner's gap in a leaf no larger than this many times the pure round's own gap there under another
+# compilation is round-off the method amplifies (a RoundOffWarning), not a piece the runner calls otherwise
 RUNNER_ROUND_OFF = 10.0
 
 
-def _largest_gap(a, b) -> tuple[float, str]:
-    """The largest gap between float leaves of ``a`` and ``b`` (same structure), scaled as
-    :func:`_compare` scales it, and where; ``inf`` where a value is not finite."""
-    worst, where = 0.0, ""
+def _float_gaps(a, b) -> list[tuple[str, float]]:
+    """Each float leaf's largest gap between ``a`` and ``b`` (same structure and shapes), scaled as
+    :func:`_compare` scales it (``inf`` where a value is not finite), with its path."""
+    out = []
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)):
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
-            continue
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        if not (np.isfinite(x).all() and np.isfinite(y).all()):
-            return float("inf"), _path(path)
-        gap = float(np.max(np.abs(x - y), initial=0.0)) / max(1.0, float(np.max(np.abs(y), initial=0.0)))
-        if gap > worst:
-            worst, where = gap, _path(path)
-    return worst, where
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+            if np.isfinite(x).all() and np.isfinite(y).all():
+                gap = float(np.max(np.abs(x - y), initial=0.0)) / max(1.0, float(np.max(np.abs(y), initial=0.0)))
+            else:
+                gap = float("inf")
+            out.append((_path(path), gap))
+    return out
+
+
+def _same_but_floats(a, b) -> bool:
+    """The same structure and shapes, and every leaf that is not a float equal."""
+    if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
+        return False
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape or (not jnp.issubdtype(x.dtype, jnp.inexact) and not np.array_equal(x, y)):
+            return False
+    return True
 
 
 def _runner_round_off(what: str, hint: str, state, pure, probe, tol: float) -> None:
-    """The runner's ``state`` differs from the ``pure`` round's beyond ``tol``. Where the pure round
-    compiled otherwise (``probe``) differs from it by at least a tenth as much, every value finite, the
-    gap is round-off the method amplifies: each compilation computes its own round-off, and a method
-    whose gradients jump with the last bits of a weight (FedFed's VAE moves a step's gradients by ~1e-3
-    for a relative change of 1e-7 in its weights, and by as much for 1e-6) carries that into its state;
-    a :class:`RoundOffWarning` with both sizes. Otherwise the ``ProtocolError``."""
-    gap, where = _largest_gap(state, pure)
-    floor, _ = _largest_gap(probe, pure)
-    if not (gap <= RUNNER_ROUND_OFF * floor and floor < float("inf")):
-        _compare(what, state, pure, tol, hint + f" (the pure round compiled otherwise differs from itself by "
-                 f"{floor:.3g})")
+    """The runner's ``state`` differs from the ``pure`` round's beyond ``tol``. Where only float values
+    differ, and in every leaf beyond ``tol`` the pure round compiled otherwise (``probe``) differs from it
+    by at least a tenth as much, every value finite, the gap is round-off the method amplifies: each
+    compilation computes its own round-off, and a method whose gradients jump with the last bits of a
+    weight (FedFed's VAE: a relative change of 1e-6 in its weights moved one round's summed gradients by
+    1.2 % of a leaf) carries that into its state; a :class:`RoundOffWarning` with both sizes. Otherwise the
+    ``ProtocolError`` (naming the first leaf the probe does not account for). Such a gap can hide a runner
+    fault of its size: for such a method only a check with its weights frozen (lr 0) is conclusive."""
+    if not _same_but_floats(state, pure):
+        _compare(what, state, pure, tol, hint)   # a structure, a shape or an integer: the ProtocolError
+    worst = ("", 0.0, 0.0)
+    for (where, gap), (_, floor) in zip(_float_gaps(state, pure), _float_gaps(probe, pure)):
+        if gap <= tol:
+            continue
+        if not (gap <= RUNNER_ROUND_OFF * floor and floor < float("inf")):
+            raise ProtocolError(f"{what}: {where} differs by {gap:.3g} (tolerance {tol:g}); {hint} (the pure round "
+                                f"compiled otherwise differs from itself there by {floor:.3g})")
+        worst = max(worst, (where, gap, floor), key=lambda w: w[1])
+    where, gap, floor = worst
     warnings.warn(f"{what}: {where} differs by {gap:.3g} (tolerance {tol:g}); yet the pure round compiled "
-                  f"otherwise differs from itself by {floor:.3g}: round-off between compilations, which the "
-                  "method amplifies (its gradients jump with a weight's last bits), not a piece the runner "
-                  "calls otherwise", RoundOffWarning, stacklevel=3)
+                  f"otherwise differs from itself there by {floor:.3g}, and in every leaf beyond the tolerance by "
+                  f"at least a tenth of the runner's gap: round-off between compilations, which the method "
+                  "amplifies (its gradients jump with a weight's last bits), not a piece the runner calls otherwise",
+                  RoundOffWarning, stacklevel=3)
 
 
 def _bitwise_equal(a, b) -> bool:

@@ -605,15 +605,21 @@ def _check_unused(out_dir: str) -> None:
                               f"`pfedkdh resume {out_dir}` or choose another --out")
         return
     status = held.get("status", "finished")
-    if status.startswith("diverged"):   # resuming would replay the same options into the same divergence
+    if ended(held):   # resuming would replay the same options to the same end
         raise ConfigError(f"--out {out_dir} already holds a {held.get('method', '')} run that {status} "
                           f"({held.get('rounds_completed', '?')} rounds kept): choose another --out, or remove it to "
-                          "start over (with other options: resuming it would diverge again)".replace("a  run", "a run"))
+                          "start over (with other options: resuming it would end so again)".replace("a  run", "a run"))
     what = f"a {status} {held.get('method', '')} run".replace("  ", " ")
     more = ("" if status == "completed" else   # a finished run has nothing to continue
             f", or continue it with `pfedkdh resume {out_dir}`")
     raise ConfigError(f"--out {out_dir} already holds {what} ({held.get('rounds_completed', '?')} rounds): choose "
                       f"another --out or remove it to start over{more}")
+
+
+def ended(summary: dict | None) -> bool:
+    """A run that stopped itself (diverged, or ran out of a method's rows): its options, replayed by a
+    resume, would end it the same way."""
+    return str((summary or {}).get("status", "")).startswith((DivergenceError.kind, RowsExhaustedError.kind))
 
 
 def stored_summary(run_dir: str) -> dict | None:
@@ -710,9 +716,10 @@ def resume(run_dir: str, *, progress: bool = True, log=print, **overrides) -> di
     left undone: its curves.png is drawn, its lock removed."""
     cfg = validate(load_run_config(run_dir, **overrides))   # its method and dataset found (plugins), its options
     done = stored_summary(run_dir)
-    if done and str(done.get("status", "")).startswith("diverged"):
-        raise ConfigError(f"{run_dir}: the run {done['status']}; resuming it replays its stored options into the "
-                          "same divergence: start a new run with other options (a lower --lr?) and another --out")
+    if done and ended(done):
+        raise ConfigError(f"{run_dir}: the run {done['status']}; resuming it replays its stored options to the same "
+                          "end: start a new run with other options (a lower --lr where it diverged, more of the "
+                          "method's rows where it stopped) and another --out")
     if done and done.get("status") == "completed" and done.get("rounds_completed") == cfg.rounds:
         curves, lock = (os.path.join(run_dir, f) for f in ("curves.png", "run.lock"))
         if not os.path.exists(curves) or (os.path.exists(lock) and not held_by_a_live_process(run_dir)):

@@ -212,7 +212,8 @@ def points(sweep: Sweep, out: str = "sweep") -> list[tuple[str, RunConfig]]:
                 # a method's run option (--lam) given to a sweep of several methods: --grid gives it only to those
                 # that use it
                 kept = sorted(k for k in fixed if k not in METHODS[method].run_options
-                              and any(k in spec.run_options for spec in METHODS.values()))
+                              and any(k in spec.run_options for spec in METHODS.values())
+                              and f"--{k.replace('_', '-')} is an option of" in str(e))   # the error is that one
                 hint = (f" (a sweep's --grid {kept[0]}=V gives it to the methods that use it only)"
                         if kept and len(sweep.methods) > 1 else "")
                 raise ConfigError(f"sweep point {name}: {e}{hint}") from None
@@ -221,10 +222,13 @@ def points(sweep: Sweep, out: str = "sweep") -> list[tuple[str, RunConfig]]:
 
 
 def _status(run_dir: str) -> str:
-    """completed | checkpointed | started | new"""
-    from pfedkdh_jax.run.experiment import has_checkpoints, stored_summary   # (JAX: imported by a sweep's run)
-    if (stored_summary(run_dir) or {}).get("status") == "completed":
+    """completed | ended (diverged, or stopped: run again, it would end so again) | checkpointed | started | new"""
+    from pfedkdh_jax.run.experiment import ended, has_checkpoints, stored_summary   # (JAX: imported by a sweep's run)
+    held = stored_summary(run_dir)
+    if (held or {}).get("status") == "completed":
         return "completed"
+    if ended(held):
+        return "ended"
     if has_checkpoints(run_dir):
         return "checkpointed"
     return "started" if os.path.exists(run_dir) else "new"
@@ -384,11 +388,13 @@ def run_sweep(sweep: Sweep, out: str, *, progress: bool = False, log: Callable =
         for name, cfg in group:
             status = _status(cfg.out)
             log(f"[{number[name]}/{len(todo)}] {name}: " + {"completed": "done already", "checkpointed": "resuming",
+                                                            "ended": "ended already (its summary says how; its "
+                                                                     "options would end it so again)",
                                                             "started": "restarting (no checkpoint yet)",
                                                             "new": "running"}[status])
             if status == "started":
                 shutil.rmtree(cfg.out)   # a point killed before its first checkpoint: nothing to keep
-            if status != "completed":
+            if status not in ("completed", "ended"):
                 (resumed if status == "checkpointed" else fresh).append(cfg)
                 names.append(name)
         if len(group) > 1 and names:
