@@ -382,7 +382,7 @@ def _check_prepared(name: str, version: str, root: str) -> dict:
             raise DataError(f"data dir {root!r} does not exist (read from {os.getcwd()!r}"
                             + ("" if os.path.isabs(root) else ", a relative path") + "): give the directory "
                             "that holds the prepared datasets (--data-dir, or `pfedkdh resume RUN --data-dir DIR` "
-                            "for a stored run)")
+                            "for a stored run).\n" + _prepare_instructions(name, root))
         present = ""
         name_dir = os.path.join(root, name)
         if os.path.isdir(name_dir):
