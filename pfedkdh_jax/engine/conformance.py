@@ -36,8 +36,9 @@ the pure round it is compared with is compiled with them too. Where the runner s
 ``3·tol`` in float values only, the same pure round compiled with XLA's defaults shows how far the method
 carries a change of compilation alone: where that differs beyond the tolerance too, and the runner's
 largest gap is at most :data:`RUNNER_ROUND_OFF` times its largest, every value finite, the gap is a
-:class:`RoundOffWarning` with both sizes; otherwise a ``ProtocolError``. (Where the options are XLA's defaults, on other backends or with the
-option set in ``XLA_FLAGS``, there is no other compilation to measure, and a gap is a ``ProtocolError``.)
+:class:`RoundOffWarning` with both sizes; otherwise a ``ProtocolError``. (Where the options are XLA's
+defaults, on other backends or with the option set in ``XLA_FLAGS``, there is no other compilation to
+measure, and a gap is a ``ProtocolError``.)
 FedFed is such a method: with its weights frozen (lr 0) its runner agrees with the pure round to 1e-6 over
 rounds where clients take their VAE optimizer states back, but a relative change of 1e-6 in the VAE's
 weights moves one round's summed gradients by 1.2 % of a leaf (one of 1e-7 by 1e-6: a jump, not a slope),
@@ -82,6 +83,12 @@ def _path(path) -> str:
     return jax.tree_util.keystr(path) or "(the whole value)"
 
 
+def _gap_and_scale(x, y) -> tuple[float, float]:
+    """The largest ``|x − y|`` of two float arrays and the largest ``|y|``, in float64."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(np.max(np.abs(x - y), initial=0.0)), float(np.max(np.abs(y), initial=0.0))
+
+
 def _compare(what: str, a, b, tol: float, hint: str) -> None:
     """``ProtocolError`` at the first leaf of ``a`` and ``b`` (same structure) that differ beyond ``tol``."""
     sa, sb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
@@ -92,8 +99,7 @@ def _compare(what: str, a, b, tol: float, hint: str) -> None:
         if x.shape != y.shape:
             raise ProtocolError(f"{what}: {_path(path)} has shape {x.shape} against {y.shape}; {hint}")
         if jnp.issubdtype(x.dtype, jnp.inexact):   # bfloat16 too (numpy's floating does not take it)
-            gap = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)), initial=0.0))
-            scale = float(np.max(np.abs(y.astype(np.float64)), initial=0.0))
+            gap, scale = _gap_and_scale(x, y)
             if not gap <= tol * max(1.0, scale):
                 raise ProtocolError(f"{what}: {_path(path)} differs by {gap:.3g} (tolerance {tol:g}); {hint}")
         elif not np.array_equal(x, y):
@@ -230,7 +236,7 @@ def check_method(algo: Algorithm, data: FederatedData, *, rounds: int = 2, clien
                 _compare(what, state, pure.state, tol * 3, hint)
             except ProtocolError:
                 # the same pure round compiled with XLA's default kernels: how far the method carries a
-                # change of compilation alone, leaf by leaf
+                # change of compilation alone
                 probe = runs.get(layout) or _pure_rounds(algo, data, layout, schedule, keys, seed)
                 _runner_round_off(what, hint, state, pure.state, probe.state, tol * 3)
     return scores
@@ -247,12 +253,8 @@ def _float_gaps(a, b) -> list[tuple[str, float]]:
     out = []
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)):
         if jnp.issubdtype(x.dtype, jnp.inexact):
-            x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-            if np.isfinite(x).all() and np.isfinite(y).all():
-                gap = float(np.max(np.abs(x - y), initial=0.0)) / max(1.0, float(np.max(np.abs(y), initial=0.0)))
-            else:
-                gap = float("inf")
-            out.append((_path(path), gap))
+            gap, scale = _gap_and_scale(x, y)
+            out.append((_path(path), gap / max(1.0, scale) if np.isfinite(gap) and np.isfinite(scale) else float("inf")))
     return out
 
 

@@ -211,9 +211,7 @@ def points(sweep: Sweep, out: str = "sweep") -> list[tuple[str, RunConfig]]:
             except ConfigError as e:
                 # a method's run option (--lam) given to a sweep of several methods: --grid gives it only to those
                 # that use it
-                kept = sorted(k for k in fixed if k not in METHODS[method].run_options
-                              and any(k in spec.run_options for spec in METHODS.values())
-                              and f"--{k.replace('_', '-')} is an option of" in str(e))   # the error is that one
+                kept = sorted(k for k in fixed if f"--{k.replace('_', '-')} is an option of" in str(e))
                 hint = (f" (a sweep's --grid {kept[0]}=V gives it to the methods that use it only)"
                         if kept and len(sweep.methods) > 1 else "")
                 raise ConfigError(f"sweep point {name}: {e}{hint}") from None
